@@ -1,0 +1,34 @@
+# One command per check, the same locally and in CI.
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+
+.PHONY: install demo test lint typecheck compose-check clean
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || python3 -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -e '.[dev]'
+	touch $(STAMP)
+
+install: $(STAMP)
+
+## The main job end to end on embedded defaults (simulator, SQLite, Redis started if absent).
+demo: $(STAMP)
+	$(VENV)/bin/datagen demo
+
+## The whole test suite, on the real Redis, PostgreSQL and SQLite.
+# pytest exits 5 when it collects no test: that is a failure too.
+test: $(STAMP)
+	$(PY) -m pytest; status=$$?; \
+	if [ $$status -eq 5 ]; then echo "make test: no tests were collected" >&2; exit 1; fi; \
+	exit $$status
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check .
+
+typecheck: $(STAMP)
+	$(PY) -m mypy
+
+clean:
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache datagen.db datagen.db-*

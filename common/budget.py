@@ -1,0 +1,68 @@
+"""What a dataset's budget means: its size, its basis and its overshoot policy.
+
+How the counters are stored and changed atomically lives in common.ledger; this module
+only holds the terms and the arithmetic users see.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from common.errors import ConfigError
+
+Basis = Literal["output", "total"]
+Policy = Literal["drain", "abort", "exact"]
+BASES: tuple[Basis, ...] = ("output", "total")
+POLICIES: tuple[Policy, ...] = ("drain", "abort", "exact")
+DEFAULT_BUDGET_TOKENS = 10_000_000
+
+
+@dataclass(frozen=True)
+class Budget:
+    """The terms of one dataset's budget.
+
+    basis "output" counts completion tokens; "total" counts prompt + completion.
+    policy, for requests still in flight when the dataset closes:
+      drain  they finish and are kept and counted (overshoot bounded by admission),
+      abort  they are aborted on the server and not kept,
+      exact  the crossing sample is cut to fill the budget, the rest are aborted.
+    """
+
+    tokens: int = DEFAULT_BUDGET_TOKENS
+    basis: Basis = "output"
+    policy: Policy = "drain"
+
+    def __post_init__(self) -> None:
+        if isinstance(self.tokens, bool) or not isinstance(self.tokens, int) or self.tokens <= 0:
+            raise ConfigError(
+                f"budget must be a positive whole number of tokens, got {self.tokens!r}"
+            )
+        if self.basis not in BASES:
+            raise ConfigError(f"unknown budget basis {self.basis!r}; use one of {', '.join(BASES)}")
+        if self.policy not in POLICIES:
+            raise ConfigError(f"unknown policy {self.policy!r}; use one of {', '.join(POLICIES)}")
+
+    def cost(self, prompt_tokens: int, completion_tokens: int) -> int:
+        return completion_tokens + (prompt_tokens if self.basis == "total" else 0)
+
+    def overshoot(self, used_tokens: int) -> int:
+        return max(0, used_tokens - self.tokens)
+
+
+def parse_budget_tokens(raw: str | int) -> int:
+    """Accept 10000000, "10_000_000", "10M" or "500k"; anything else is a ConfigError."""
+    text = str(raw).strip().lower().replace("_", "").replace(",", "")
+    scale = 1
+    if text.endswith(("k", "m", "g")):
+        scale = {"k": 1_000, "m": 1_000_000, "g": 1_000_000_000}[text[-1]]
+        text = text[:-1]
+    try:
+        value = float(text) * scale if "." in text else int(text) * scale
+    except ValueError:
+        raise ConfigError(
+            f"budget {raw!r} is not a number of tokens (e.g. 10000000 or 10M)"
+        ) from None
+    if value <= 0 or value != int(value):
+        raise ConfigError(f"budget {raw!r} must be a positive whole number of tokens")
+    return int(value)

@@ -1,0 +1,50 @@
+"""Closing a dataset, at its budget's crossing or by hand, the same way everywhere.
+
+The ledger script has already marked the dataset closed and purged its queue in one
+atomic step. What follows here is idempotent: record the close in SQL, revoke what
+workers have reserved (one broadcast on the ``dataset`` stamp, not one per task id), and,
+under the abort and exact policies, abort the dataset's requests still on the servers.
+Tasks that still reach a worker later are dropped by the ledger's admission check.
+"""
+
+from __future__ import annotations
+
+import logging
+from datetime import UTC, datetime
+
+from celery import Celery
+
+from common.celery_app import STAMP
+from common.ledger import Ledger
+from common.sglang_client import SGLangClient
+from common.store import Store
+
+log = logging.getLogger(__name__)
+
+
+def stamp_value(name: str, epoch: int) -> str:
+    """The stamp a dataset's tasks carry; reopening bumps the epoch so old revokes miss."""
+    return f"{name}@{epoch}"
+
+
+def after_close(
+    name: str,
+    *,
+    store: Store,
+    ledger: Ledger,
+    app: Celery | None,
+    client: SGLangClient | None,
+) -> None:
+    state = ledger.state(name)
+    closed_at = datetime.fromtimestamp(state.closed_at or 0, UTC)
+    store.record_close(
+        name, state.close_reason or "manual", closed_at, state.used_at_close or state.used_tokens
+    )
+    if app is not None:
+        epoch = store.dataset(name).epoch
+        app.control.revoke_by_stamped_headers({STAMP: stamp_value(name, epoch)}, reply=False)
+    if client is not None and state.policy in ("abort", "exact"):
+        rids = ledger.inflight_rids(name)
+        for rid in rids:
+            client.abort(rid)
+        log.info("dataset %s closed: aborted %d requests in flight", name, len(rids))

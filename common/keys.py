@@ -1,0 +1,85 @@
+"""Every Redis key and queue name datagen uses, in one place.
+
+No other module spells a key string; tests import these functions too.
+
+    key                                   type    written by                      TTL
+    ------------------------------------  ------  ------------------------------  ----
+    datagen:datasets                      set     producer (SADD name)            none
+    datagen:ds:{name}:ledger              hash    Lua only (ledger.py)            none
+        used           tokens charged so far on the dataset's basis
+        samples        samples charged so far
+        budget         budget in tokens
+        basis          "output" | "total"
+        policy         "drain" | "abort" | "exact"
+        state          "open" | "closed"
+        reserved       expected tokens of requests in flight (admission)
+        closed_at      unix seconds of the close        (set once, at the close)
+        close_reason   "budget" | "manual"
+        used_at_close  ``used`` when the close happened
+    datagen:ds:{name}:charged             hash    Lua only: sample_id -> tokens    none
+    datagen:ds:{name}:inflight            hash    Lua only: rid -> expected tokens none
+    datagen:ds:{name}:pending             set     producer adds, workers remove    none
+                                                  (sample ids queued or running)
+    datagen:workers                       zset    workers: hostname -> heartbeat  none
+    datagen.q.{name} (+ kombu's \\x06\\x16{3,6,9} priority lists)
+                                          list    kombu (Celery's Redis transport)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from common.names import validate_dataset_name
+
+PREFIX = "datagen"
+DATASETS = f"{PREFIX}:datasets"
+WORKERS = f"{PREFIX}:workers"
+QUEUE_PREFIX = f"{PREFIX}.q."
+
+# kombu's Redis transport keeps one list per priority step: the bare queue name for
+# step 0 and ``name + sep + step`` for the others. A purge must delete all of them.
+KOMBU_PRIORITY_SEP = "\x06\x16"
+KOMBU_PRIORITY_STEPS = (0, 3, 6, 9)
+
+
+@dataclass(frozen=True)
+class DatasetKeys:
+    """The keys of one dataset, built once from a validated name."""
+
+    name: str
+    ledger: str
+    charged: str
+    inflight: str
+    pending: str
+    queue: str
+
+    @property
+    def queue_lists(self) -> tuple[str, ...]:
+        return tuple(_priority_list(self.queue, step) for step in KOMBU_PRIORITY_STEPS)
+
+
+def dataset_keys(name: str) -> DatasetKeys:
+    validate_dataset_name(name)
+    base = f"{PREFIX}:ds:{name}"
+    return DatasetKeys(
+        name=name,
+        ledger=f"{base}:ledger",
+        charged=f"{base}:charged",
+        inflight=f"{base}:inflight",
+        pending=f"{base}:pending",
+        queue=queue_name(name),
+    )
+
+
+def queue_name(dataset: str) -> str:
+    return QUEUE_PREFIX + validate_dataset_name(dataset)
+
+
+def dataset_of_queue(queue: str) -> str | None:
+    if not queue.startswith(QUEUE_PREFIX):
+        return None
+    return queue[len(QUEUE_PREFIX) :]
+
+
+def _priority_list(queue: str, step: int) -> str:
+    return queue if step == 0 else f"{queue}{KOMBU_PRIORITY_SEP}{step}"

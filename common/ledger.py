@@ -1,0 +1,169 @@
+"""Typed access to the Redis ledger: the only caller of the scripts in ledger_scripts."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass
+from enum import IntEnum
+
+import redis
+
+from common import ledger_scripts as lua
+from common.budget import Budget
+from common.keys import DATASETS, DatasetKeys, dataset_keys
+
+
+class Charge(IntEnum):
+    REFUSED = 0
+    CHARGED = 1
+    DUPLICATE = 2
+
+
+class Admission(IntEnum):
+    CLOSED = 0
+    ADMITTED = 1
+    WAIT = 2
+    UNKNOWN = 3
+
+
+@dataclass(frozen=True)
+class ChargeResult:
+    status: Charge
+    kept_completion_tokens: int
+    used_tokens: int
+    crossed: bool
+    purged: int
+
+
+@dataclass(frozen=True)
+class CloseResult:
+    closed_now: bool
+    purged: int
+
+
+@dataclass(frozen=True)
+class LedgerState:
+    name: str
+    used_tokens: int
+    samples: int
+    budget_tokens: int
+    basis: str
+    policy: str
+    state: str
+    reserved_tokens: int
+    inflight: int
+    pending: int
+    queued: int
+    closed_at: float | None
+    close_reason: str | None
+    used_at_close: int | None
+
+
+def _keys(ds: DatasetKeys) -> list[str]:
+    return [ds.ledger, ds.charged, ds.inflight, ds.pending, *ds.queue_lists]
+
+
+class Ledger:
+    """Per-dataset counters, limits and states in Redis, changed only by Lua."""
+
+    def __init__(self, client: redis.Redis) -> None:
+        self.redis = client
+        self._charge = client.register_script(lua.CHARGE)
+        self._recharge = client.register_script(lua.RECHARGE)
+        self._admit = client.register_script(lua.ADMIT)
+        self._release = client.register_script(lua.RELEASE)
+        self._configure = client.register_script(lua.CONFIGURE)
+        self._close = client.register_script(lua.CLOSE)
+        self._reopen = client.register_script(lua.REOPEN)
+        self._absorb = client.register_script(lua.ABSORB)
+
+    def configure(self, name: str, budget: Budget) -> CloseResult:
+        self.redis.sadd(DATASETS, name)
+        args = [budget.tokens, budget.basis, budget.policy, time.time()]
+        closed_now, purged, _used = self._configure(keys=_keys(dataset_keys(name)), args=args)
+        return CloseResult(bool(closed_now), int(purged))
+
+    def admit(self, name: str, rid: str, max_new_tokens: int, default_expected: int) -> Admission:
+        keys = _keys(dataset_keys(name))
+        status, _expected = self._admit(keys=keys, args=[rid, max_new_tokens, default_expected])
+        return Admission(int(status))
+
+    def release(self, name: str, rid: str) -> None:
+        self._release(keys=_keys(dataset_keys(name)), args=[rid])
+
+    def charge(
+        self, name: str, sample_id: str, rid: str, prompt_tokens: int, completion_tokens: int
+    ) -> ChargeResult:
+        args = [sample_id, rid, prompt_tokens, completion_tokens, time.time()]
+        status, kept, used, crossed, purged = self._charge(
+            keys=_keys(dataset_keys(name)), args=args
+        )
+        return ChargeResult(Charge(int(status)), int(kept), int(used), bool(crossed), int(purged))
+
+    def recharge(self, name: str, sample_id: str, cost: int) -> int:
+        return int(self._recharge(keys=_keys(dataset_keys(name)), args=[sample_id, cost]))
+
+    def close(self, name: str, reason: str) -> CloseResult:
+        closed_now, purged = self._close(keys=_keys(dataset_keys(name)), args=[time.time(), reason])
+        return CloseResult(bool(closed_now), int(purged))
+
+    def reopen(self, name: str, budget_tokens: int) -> None:
+        self._reopen(keys=_keys(dataset_keys(name)), args=[budget_tokens])
+
+    def absorb(self, name: str, costs: Iterable[tuple[str, int]], chunk: int = 2000) -> int:
+        """Charge stored results the ledger lacks (reconcile from SQL); returns tokens added."""
+        keys, added, batch = _keys(dataset_keys(name)), 0, []
+        for sample_id, cost in costs:
+            batch += [sample_id, cost]
+            if len(batch) >= 2 * chunk:
+                added += int(self._absorb(keys=keys, args=batch))
+                batch = []
+        if batch:
+            added += int(self._absorb(keys=keys, args=batch))
+        return added
+
+    def mark_pending(self, name: str, sample_ids: Iterable[str]) -> None:
+        ids = list(sample_ids)
+        if ids:
+            self.redis.sadd(dataset_keys(name).pending, *ids)
+
+    def pending_ids(self, name: str) -> set[str]:
+        return {m.decode() for m in self.redis.smembers(dataset_keys(name).pending)}
+
+    def forget_pending(self, name: str, sample_id: str) -> None:
+        self.redis.srem(dataset_keys(name).pending, sample_id)
+
+    def is_closed(self, name: str) -> bool:
+        return self.redis.hget(dataset_keys(name).ledger, "state") == b"closed"
+
+    def known(self) -> list[str]:
+        return sorted(m.decode() for m in self.redis.smembers(DATASETS))
+
+    def inflight_rids(self, name: str) -> list[str]:
+        return [r.decode() for r in self.redis.hkeys(dataset_keys(name).inflight)]
+
+    def state(self, name: str) -> LedgerState:
+        ds = dataset_keys(name)
+        pipe = self.redis.pipeline(transaction=False)
+        pipe.hgetall(ds.ledger).hlen(ds.inflight).scard(ds.pending)
+        for q in ds.queue_lists:
+            pipe.llen(q)
+        raw, inflight, pending, *lens = pipe.execute()
+        h = {k.decode(): v.decode() for k, v in raw.items()}
+        return LedgerState(
+            name=name,
+            used_tokens=int(h.get("used", 0)),
+            samples=int(h.get("samples", 0)),
+            budget_tokens=int(h.get("budget", 0)),
+            basis=h.get("basis", "output"),
+            policy=h.get("policy", "drain"),
+            state=h.get("state", "open"),
+            reserved_tokens=int(h.get("reserved", 0)),
+            inflight=int(inflight),
+            pending=int(pending),
+            queued=sum(int(n) for n in lens),
+            closed_at=float(h["closed_at"]) if "closed_at" in h else None,
+            close_reason=h.get("close_reason"),
+            used_at_close=int(h["used_at_close"]) if "used_at_close" in h else None,
+        )

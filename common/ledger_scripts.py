@@ -1,0 +1,187 @@
+"""The Lua scripts that are the only writers of a dataset's ledger.
+
+Every key arrives through KEYS (built by common.keys); no key is spelled here. Each
+script runs atomically in Redis, so however many workers race, a sample is charged once
+and a dataset is closed once, by the charge that crosses its budget.
+
+Shared layout: KEYS[1] ledger hash, KEYS[2] charged hash, KEYS[3] inflight hash,
+KEYS[4] pending set, KEYS[5..8] the queue's kombu priority lists.
+"""
+
+from __future__ import annotations
+
+# Closing = state, timestamps and a purge of every priority list of the queue, in the
+# same atomic step as the decision. Returns the number of messages purged.
+_CLOSE_FN = """
+local function close(now, reason)
+  local purged = 0
+  for i = 5, 8 do
+    purged = purged + redis.call('LLEN', KEYS[i])
+  end
+  redis.call('DEL', KEYS[5], KEYS[6], KEYS[7], KEYS[8], KEYS[4])
+  redis.call('HSET', KEYS[1], 'state', 'closed', 'closed_at', now,
+             'close_reason', reason,
+             'used_at_close', redis.call('HGET', KEYS[1], 'used') or '0')
+  return purged
+end
+local function num(field)
+  return tonumber(redis.call('HGET', KEYS[1], field) or '0') or 0
+end
+"""
+
+# -- KEYS: ledger, charged, inflight, pending, q0, q3, q6, q9
+# -- ARGV: sample_id, rid, prompt_tokens, completion_tokens, now
+# Returns {status, kept_completion_tokens, used, crossed, purged}
+#   status 1 = charged, 2 = duplicate (already charged: nothing changed),
+#          0 = refused (closed under abort/exact, or no room left under exact).
+CHARGE = (
+    _CLOSE_FN
+    + """
+local sid, rid = ARGV[1], ARGV[2]
+local prompt, completion, now = tonumber(ARGV[3]), tonumber(ARGV[4]), ARGV[5]
+local expected = tonumber(redis.call('HGET', KEYS[3], rid) or '0')
+if redis.call('HDEL', KEYS[3], rid) == 1 then
+  redis.call('HINCRBY', KEYS[1], 'reserved', -expected)
+end
+redis.call('SREM', KEYS[4], sid)
+local used = num('used')
+local prev = redis.call('HGET', KEYS[2], sid)
+if prev then
+  return {2, completion, used, 0, 0}
+end
+local policy = redis.call('HGET', KEYS[1], 'policy') or 'drain'
+local closed = redis.call('HGET', KEYS[1], 'state') == 'closed'
+if closed and policy ~= 'drain' then
+  return {0, 0, used, 0, 0}
+end
+local fixed = 0
+if redis.call('HGET', KEYS[1], 'basis') == 'total' then fixed = prompt end
+local budget = num('budget')
+if policy == 'exact' and budget > 0 then
+  local room = budget - used - fixed
+  if room <= 0 then return {0, 0, used, 0, 0} end
+  if completion > room then completion = room end
+end
+local cost = fixed + completion
+redis.call('HSET', KEYS[2], sid, cost)
+used = redis.call('HINCRBY', KEYS[1], 'used', cost)
+redis.call('HINCRBY', KEYS[1], 'samples', 1)
+local crossed, purged = 0, 0
+if (not closed) and budget > 0 and used >= budget then
+  crossed = 1
+  purged = close(now, 'budget')
+end
+return {1, completion, used, crossed, purged}
+"""
+)
+
+# -- KEYS: ledger, charged, inflight, pending, q0, q3, q6, q9
+# -- ARGV: sample_id, cost
+# Re-prices a sample charged before a crash whose stored result turned out different.
+RECHARGE = """
+local prev = tonumber(redis.call('HGET', KEYS[2], ARGV[1]) or '0')
+local cost = tonumber(ARGV[2])
+redis.call('HSET', KEYS[2], ARGV[1], cost)
+return redis.call('HINCRBY', KEYS[1], 'used', cost - prev)
+"""
+
+# -- KEYS: ledger, charged, inflight, pending, q0, q3, q6, q9
+# -- ARGV: rid, max_new_tokens, default_expected_tokens
+# Returns {status, expected}: 1 = admitted (rid now in flight), 0 = closed,
+#   2 = wait: used + the expected output of requests in flight already reach the budget,
+#   3 = unknown: the ledger has no terms (Redis lost them): reconcile from SQL first.
+# A request is always admitted when nothing is in flight, so a dataset whose requests
+# finish short keeps moving.
+ADMIT = (
+    _CLOSE_FN
+    + """
+if redis.call('HGET', KEYS[1], 'state') == 'closed' then return {0, 0} end
+if not redis.call('HGET', KEYS[1], 'budget') then return {3, 0} end
+local used, budget, samples = num('used'), num('budget'), num('samples')
+local expected = tonumber(ARGV[3])
+if samples > 0 then expected = math.floor(used / samples) end
+if redis.call('HGET', KEYS[1], 'basis') ~= 'total' then
+  expected = math.min(expected, tonumber(ARGV[2]))
+end
+if budget > 0 and redis.call('HLEN', KEYS[3]) > 0
+   and used + num('reserved') + expected > budget then
+  return {2, expected}
+end
+redis.call('HSET', KEYS[3], ARGV[1], expected)
+redis.call('HINCRBY', KEYS[1], 'reserved', expected)
+return {1, expected}
+"""
+)
+
+# -- KEYS: ledger, charged, inflight, pending, q0, q3, q6, q9
+# -- ARGV: rid
+# A request that ends without a charge (failure, retry, abort) frees its reservation.
+RELEASE = """
+local expected = tonumber(redis.call('HGET', KEYS[3], ARGV[1]) or '0')
+if redis.call('HDEL', KEYS[3], ARGV[1]) == 1 then
+  redis.call('HINCRBY', KEYS[1], 'reserved', -expected)
+end
+return expected
+"""
+
+# -- KEYS: ledger, charged, inflight, pending, q0, q3, q6, q9
+# -- ARGV: budget, basis, policy, now
+# Sets the dataset's terms; a dataset already at or over its new budget closes at once.
+# Returns {closed_now, purged, used}.
+CONFIGURE = (
+    _CLOSE_FN
+    + """
+redis.call('HSET', KEYS[1], 'budget', ARGV[1], 'basis', ARGV[2], 'policy', ARGV[3])
+redis.call('HSETNX', KEYS[1], 'state', 'open')
+redis.call('HSETNX', KEYS[1], 'used', 0)
+local used, budget = num('used'), num('budget')
+if redis.call('HGET', KEYS[1], 'state') ~= 'closed' and budget > 0 and used >= budget then
+  return {1, close(ARGV[4], 'budget'), used}
+end
+return {0, 0, used}
+"""
+)
+
+# -- KEYS: ledger, charged, inflight, pending, q0, q3, q6, q9
+# -- ARGV: now, reason
+# Returns {closed_now, purged}; closing a closed dataset purges again but keeps its record.
+CLOSE = (
+    _CLOSE_FN
+    + """
+if redis.call('HGET', KEYS[1], 'state') == 'closed' then
+  local purged = 0
+  for i = 5, 8 do purged = purged + redis.call('LLEN', KEYS[i]) end
+  redis.call('DEL', KEYS[5], KEYS[6], KEYS[7], KEYS[8], KEYS[4])
+  return {0, purged}
+end
+return {1, close(ARGV[1], ARGV[2])}
+"""
+)
+
+# -- KEYS: ledger, charged, inflight, pending, q0, q3, q6, q9
+# -- ARGV: budget
+# Reopens a closed dataset with a higher budget.
+REOPEN = """
+redis.call('HSET', KEYS[1], 'budget', ARGV[1], 'state', 'open')
+redis.call('HDEL', KEYS[1], 'closed_at', 'close_reason', 'used_at_close')
+return 1
+"""
+
+# -- KEYS: ledger, charged, inflight, pending, q0, q3, q6, q9
+# -- ARGV: sample_id_1, cost_1, sample_id_2, cost_2, ...
+# Adds stored results the ledger does not know (SQL is the source of truth); charges it
+# already holds are left alone, so this is safe while workers run. Returns tokens added.
+ABSORB = """
+local added, n = 0, 0
+for i = 1, #ARGV, 2 do
+  if redis.call('HSETNX', KEYS[2], ARGV[i], ARGV[i + 1]) == 1 then
+    added = added + tonumber(ARGV[i + 1])
+    n = n + 1
+  end
+end
+if added > 0 or n > 0 then
+  redis.call('HINCRBY', KEYS[1], 'used', added)
+  redis.call('HINCRBY', KEYS[1], 'samples', n)
+end
+return added
+"""

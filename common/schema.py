@@ -1,0 +1,91 @@
+"""The SQL schema, in one place. SQLAlchemy Core; created on first use.
+
+Tables:
+  datasets  one row per dataset: its budget terms, sampling, tokenizer, and its close.
+  prompts   one row per (dataset, sample_id): the templated prompt and its state
+            (queued, done, failed, skipped) with the last error.
+  results   one row per generated sample, unique (dataset, sample_id).
+
+Token id lists are stored as packed little-endian uint32 bytes (4 bytes a token): exact,
+compact, and cheap to write; ``datagen export`` and ``common.tokenids.unpack`` read them.
+"""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime
+
+import sqlalchemy as sa
+
+from common.tokenids import TokenIds
+
+metadata = sa.MetaData()
+
+PROMPT_STATES = ("queued", "done", "failed", "skipped")
+
+
+def utcnow() -> datetime:
+    return datetime.now(UTC)
+
+
+datasets = sa.Table(
+    "datasets",
+    metadata,
+    sa.Column("name", sa.String(100), primary_key=True),
+    sa.Column("budget_tokens", sa.BigInteger, nullable=False),
+    sa.Column("basis", sa.String(16), nullable=False, server_default="output"),
+    sa.Column("policy", sa.String(16), nullable=False, server_default="drain"),
+    sa.Column("state", sa.String(16), nullable=False, server_default="open"),
+    sa.Column("sampling", sa.JSON, nullable=False),
+    sa.Column("max_seq_len", sa.Integer, nullable=False),
+    sa.Column("tokenizer", sa.String(500), nullable=False),
+    sa.Column("template_hash", sa.String(64), nullable=False),
+    sa.Column("reasoning_open", sa.String(32)),
+    # Bumped by each reopen, so revokes broadcast at an earlier close miss new tasks.
+    sa.Column("epoch", sa.Integer, nullable=False, server_default="0"),
+    sa.Column("close_reason", sa.String(16)),
+    sa.Column("closed_at", sa.DateTime(timezone=True)),
+    sa.Column("used_at_close", sa.BigInteger),
+    sa.Column("created_at", sa.DateTime(timezone=True), nullable=False, default=utcnow),
+    sa.Column("updated_at", sa.DateTime(timezone=True), nullable=False, default=utcnow),
+)
+
+prompts = sa.Table(
+    "prompts",
+    metadata,
+    sa.Column("dataset", sa.String(100), primary_key=True),
+    sa.Column("sample_id", sa.String(200), primary_key=True),
+    sa.Column("state", sa.String(16), nullable=False),
+    sa.Column("messages", sa.JSON, nullable=False),
+    sa.Column("input_ids", TokenIds, nullable=False),
+    sa.Column("prompt_tokens", sa.Integer, nullable=False),
+    sa.Column("max_new_tokens", sa.Integer, nullable=False),
+    sa.Column("source", sa.String(600)),
+    sa.Column("attempts", sa.Integer, nullable=False, server_default="0"),
+    sa.Column("error", sa.Text),
+    sa.Column("created_at", sa.DateTime(timezone=True), nullable=False, default=utcnow),
+    sa.Column("updated_at", sa.DateTime(timezone=True), nullable=False, default=utcnow),
+    sa.Index("ix_prompts_dataset_state", "dataset", "state"),
+)
+
+results = sa.Table(
+    "results",
+    metadata,
+    sa.Column("id", sa.Integer, primary_key=True, autoincrement=True),
+    sa.Column("dataset", sa.String(100), nullable=False),
+    sa.Column("sample_id", sa.String(200), nullable=False),
+    sa.Column("rid", sa.String(200), nullable=False),
+    sa.Column("prompt_tokens", sa.Integer, nullable=False),
+    sa.Column("completion_tokens", sa.Integer, nullable=False),
+    sa.Column("cached_tokens", sa.Integer, nullable=False, server_default="0"),
+    sa.Column("reasoning_tokens", sa.Integer, nullable=False, server_default="0"),
+    sa.Column("finish_reason", sa.String(16), nullable=False),
+    sa.Column("finish_detail", sa.JSON),
+    sa.Column("output_ids", TokenIds, nullable=False),
+    sa.Column("output_text", sa.Text, nullable=False),
+    sa.Column("e2e_latency_s", sa.Float),
+    sa.Column("server", sa.String(500), nullable=False),
+    sa.Column("model", sa.String(500), nullable=False),
+    sa.Column("created_at", sa.DateTime(timezone=True), nullable=False, default=utcnow),
+    sa.UniqueConstraint("dataset", "sample_id", name="uq_results_dataset_sample"),
+    sa.Index("ix_results_dataset_created", "dataset", "created_at"),
+)

@@ -1,0 +1,41 @@
+"""Connections to Redis and the database, with clear errors when they do not answer."""
+
+from __future__ import annotations
+
+from urllib.parse import urlsplit, urlunsplit
+
+import redis
+
+from common.errors import ServiceUnavailable
+from common.ledger import Ledger
+from common.settings import Settings
+from common.store import Store
+
+
+def safe_url(url: str) -> str:
+    """The URL without its password, for messages and logs."""
+    parts = urlsplit(url)
+    if parts.password:
+        netloc = f"{parts.username or ''}:***@{parts.hostname}"
+        if parts.port:
+            netloc += f":{parts.port}"
+        return urlunsplit(parts._replace(netloc=netloc))
+    return url
+
+
+def connect_redis(settings: Settings) -> redis.Redis:
+    client = redis.Redis.from_url(
+        settings.redis_url, socket_connect_timeout=5, health_check_interval=25
+    )
+    try:
+        client.ping()
+    except redis.RedisError as exc:
+        raise ServiceUnavailable(
+            f"Redis at {safe_url(settings.redis_url)} does not answer ({exc}); "
+            "start it or set DATAGEN_REDIS_URL"
+        ) from None
+    return client
+
+
+def connect(settings: Settings) -> tuple[Store, Ledger]:
+    return Store(settings.database_url), Ledger(connect_redis(settings))

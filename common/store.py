@@ -1,0 +1,260 @@
+"""The one store API over SQL that producer, workers and ops all use."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from typing import Any
+
+import sqlalchemy as sa
+
+from common.budget import Budget
+from common.db import insert_ignore, make_engine
+from common.errors import UnknownDatasetError
+from common.schema import datasets, prompts, results, utcnow
+
+
+@dataclass(frozen=True)
+class DatasetRow:
+    name: str
+    budget: Budget
+    sampling: dict[str, Any]
+    max_seq_len: int
+    tokenizer: str
+    template_hash: str
+    reasoning_open: str | None = None
+    state: str = "open"
+    close_reason: str | None = None
+    closed_at: datetime | None = None
+    used_at_close: int | None = None
+    epoch: int = 0
+
+
+@dataclass(frozen=True)
+class PromptRow:
+    dataset: str
+    sample_id: str
+    state: str
+    input_ids: list[int]
+    prompt_tokens: int
+    max_new_tokens: int
+    attempts: int
+
+
+def as_utc(value: datetime | None) -> datetime | None:
+    # SQLite hands back naive datetimes; every stored time is UTC.
+    if value is None or value.tzinfo is not None:
+        return value
+    return value.replace(tzinfo=UTC)
+
+
+def _dataset_row(r: sa.Row[Any]) -> DatasetRow:
+    return DatasetRow(
+        name=r.name,
+        budget=Budget(int(r.budget_tokens), r.basis, r.policy),
+        sampling=dict(r.sampling),
+        max_seq_len=r.max_seq_len,
+        tokenizer=r.tokenizer,
+        template_hash=r.template_hash,
+        reasoning_open=r.reasoning_open,
+        state=r.state,
+        close_reason=r.close_reason,
+        closed_at=as_utc(r.closed_at),
+        used_at_close=r.used_at_close,
+        epoch=int(r.epoch),
+    )
+
+
+class Store:
+    def __init__(self, url: str) -> None:
+        self.url = url
+        self.engine = make_engine(url)
+
+    # -- datasets -------------------------------------------------------------------------
+
+    def upsert_dataset(self, row: DatasetRow) -> None:
+        """Create the dataset or update its terms; its close record is left alone."""
+        values = {
+            "budget_tokens": row.budget.tokens,
+            "basis": row.budget.basis,
+            "policy": row.budget.policy,
+            "sampling": row.sampling,
+            "max_seq_len": row.max_seq_len,
+            "tokenizer": row.tokenizer,
+            "template_hash": row.template_hash,
+            "reasoning_open": row.reasoning_open,
+            "updated_at": utcnow(),
+        }
+        with self.engine.begin() as conn:
+            done = conn.execute(
+                datasets.update().where(datasets.c.name == row.name).values(**values)
+            )
+            if done.rowcount == 0:
+                conn.execute(datasets.insert().values(name=row.name, state="open", **values))
+
+    def dataset(self, name: str) -> DatasetRow:
+        with self.engine.connect() as conn:
+            r = conn.execute(sa.select(datasets).where(datasets.c.name == name)).first()
+        if r is None:
+            raise UnknownDatasetError(name, self.dataset_names())
+        return _dataset_row(r)
+
+    def datasets(self) -> list[DatasetRow]:
+        with self.engine.connect() as conn:
+            rows = conn.execute(sa.select(datasets).order_by(datasets.c.name)).all()
+        return [_dataset_row(r) for r in rows]
+
+    def dataset_names(self) -> list[str]:
+        with self.engine.connect() as conn:
+            return list(conn.scalars(sa.select(datasets.c.name).order_by(datasets.c.name)))
+
+    def record_close(
+        self, name: str, reason: str, closed_at: datetime, used_at_close: int
+    ) -> None:
+        """Record the first close only: a later one must not move the timestamp."""
+        with self.engine.begin() as conn:
+            conn.execute(
+                datasets.update()
+                .where(datasets.c.name == name, datasets.c.state != "closed")
+                .values(
+                    state="closed",
+                    close_reason=reason,
+                    closed_at=closed_at,
+                    used_at_close=used_at_close,
+                    updated_at=utcnow(),
+                )
+            )
+
+    def record_reopen(self, name: str, budget_tokens: int) -> None:
+        with self.engine.begin() as conn:
+            conn.execute(
+                datasets.update()
+                .where(datasets.c.name == name)
+                .values(
+                    state="open",
+                    epoch=datasets.c.epoch + 1,
+                    budget_tokens=budget_tokens,
+                    close_reason=None,
+                    closed_at=None,
+                    used_at_close=None,
+                    updated_at=utcnow(),
+                )
+            )
+
+    # -- prompts --------------------------------------------------------------------------
+
+    def prompt_states(self, dataset: str) -> dict[str, str]:
+        q = sa.select(prompts.c.sample_id, prompts.c.state).where(prompts.c.dataset == dataset)
+        with self.engine.connect() as conn:
+            return {sid: state for sid, state in conn.execute(q)}
+
+    def insert_prompts(self, rows: Sequence[dict[str, Any]]) -> None:
+        if rows:
+            with self.engine.begin() as conn:
+                conn.execute(insert_ignore(self.engine, prompts), list(rows))
+
+    def set_prompt_states(self, dataset: str, sample_ids: Iterable[str], state: str) -> None:
+        ids = list(sample_ids)
+        with self.engine.begin() as conn:
+            for start in range(0, len(ids), 500):
+                conn.execute(
+                    prompts.update()
+                    .where(prompts.c.dataset == dataset)
+                    .where(prompts.c.sample_id.in_(ids[start : start + 500]))
+                    .where(prompts.c.state != "done")
+                    .values(state=state, updated_at=utcnow())
+                )
+
+    def sample_ids(self, dataset: str, state: str) -> list[str]:
+        q = sa.select(prompts.c.sample_id).where(
+            prompts.c.dataset == dataset, prompts.c.state == state
+        )
+        with self.engine.connect() as conn:
+            return list(conn.scalars(q))
+
+    def prompt(self, dataset: str, sample_id: str) -> PromptRow | None:
+        cols = (
+            prompts.c.state,
+            prompts.c.input_ids,
+            prompts.c.prompt_tokens,
+            prompts.c.max_new_tokens,
+            prompts.c.attempts,
+        )
+        q = sa.select(*cols).where(prompts.c.dataset == dataset, prompts.c.sample_id == sample_id)
+        with self.engine.connect() as conn:
+            r = conn.execute(q).first()
+        if r is None:
+            return None
+        return PromptRow(dataset, sample_id, r[0], r[1], r[2], r[3], r[4])
+
+    def record_attempt(self, dataset: str, sample_id: str, error: str) -> int:
+        """Count one failed attempt with its error; returns the attempts so far."""
+        where = (prompts.c.dataset == dataset, prompts.c.sample_id == sample_id)
+        with self.engine.begin() as conn:
+            conn.execute(
+                prompts.update()
+                .where(*where)
+                .values(attempts=prompts.c.attempts + 1, error=error[:4000], updated_at=utcnow())
+            )
+            return int(conn.scalar(sa.select(prompts.c.attempts).where(*where)) or 0)
+
+    def mark_failed(self, dataset: str, sample_id: str, error: str) -> None:
+        with self.engine.begin() as conn:
+            conn.execute(
+                prompts.update()
+                .where(prompts.c.dataset == dataset, prompts.c.sample_id == sample_id)
+                .where(prompts.c.state != "done")
+                .values(state="failed", error=error[:4000], updated_at=utcnow())
+            )
+
+    def prompt_counts(self, dataset: str) -> dict[str, int]:
+        q = (
+            sa.select(prompts.c.state, sa.func.count())
+            .where(prompts.c.dataset == dataset)
+            .group_by(prompts.c.state)
+        )
+        with self.engine.connect() as conn:
+            return {state: int(n) for state, n in conn.execute(q)}
+
+    # -- results --------------------------------------------------------------------------
+
+    def save_result(self, row: dict[str, Any]) -> bool:
+        """Store one result and mark its prompt done, atomically; False if it already existed."""
+        with self.engine.begin() as conn:
+            inserted = conn.execute(insert_ignore(self.engine, results), [row]).rowcount
+            conn.execute(
+                prompts.update()
+                .where(prompts.c.dataset == row["dataset"], prompts.c.sample_id == row["sample_id"])
+                .values(state="done", error=None, updated_at=utcnow())
+            )
+        return inserted == 1
+
+    def has_result(self, dataset: str, sample_id: str) -> bool:
+        q = sa.select(results.c.id).where(
+            results.c.dataset == dataset, results.c.sample_id == sample_id
+        )
+        with self.engine.connect() as conn:
+            return conn.execute(q).first() is not None
+
+    def result_costs(
+        self, dataset: str, budget: Budget, sample_ids: Sequence[str] | None = None
+    ) -> Iterator[tuple[str, int]]:
+        """(sample_id, tokens on the dataset's basis) of stored results, all or the given."""
+        cost = results.c.completion_tokens
+        if budget.basis == "total":
+            cost = cost + results.c.prompt_tokens
+        q = sa.select(results.c.sample_id, cost).where(results.c.dataset == dataset)
+        if sample_ids is not None:
+            q = q.where(results.c.sample_id.in_(list(sample_ids)))
+        with self.engine.connect() as conn:
+            for sid, tokens in conn.execution_options(yield_per=5000).execute(q):
+                yield sid, int(tokens)
+
+    def used_tokens(self, dataset: str, budget: Budget) -> int:
+        cost = results.c.completion_tokens
+        if budget.basis == "total":
+            cost = cost + results.c.prompt_tokens
+        q = sa.select(sa.func.coalesce(sa.func.sum(cost), 0)).where(results.c.dataset == dataset)
+        with self.engine.connect() as conn:
+            return int(conn.scalar(q) or 0)

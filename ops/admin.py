@@ -1,0 +1,53 @@
+"""``datagen purge`` and ``datagen reopen``: close a dataset by hand, or give it more room."""
+
+from __future__ import annotations
+
+import argparse
+
+from common.budget import parse_budget_tokens
+from common.celery_app import make_celery
+from common.closing import after_close, stamp_value
+from common.errors import ConfigError
+from common.services import connect
+from common.settings import Settings
+from common.sglang_client import SGLangClient
+from producer.publish import Publisher
+
+
+def run_purge(args: argparse.Namespace, settings: Settings) -> int:
+    store, ledger = connect(settings)
+    ds = store.dataset(args.name)
+    result = ledger.close(ds.name, "manual")
+    client = SGLangClient(settings.sglang_urls, connect_timeout_s=settings.connect_timeout_s)
+    after_close(ds.name, store=store, ledger=ledger, app=make_celery(settings), client=client)
+    state = ledger.state(ds.name)
+    verb = "closed" if result.closed_now else "was already closed;"
+    fate = "finish and are kept" if ds.budget.policy == "drain" else "were aborted"
+    print(f"{ds.name}: {verb} removed {result.purged:,} queued messages; reserved tasks "
+          f"revoked; {state.inflight} requests in flight {fate}; "
+          f"{state.used_tokens:,} of {ds.budget.tokens:,} tokens used")
+    return 0
+
+
+def run_reopen(args: argparse.Namespace, settings: Settings) -> int:
+    store, ledger = connect(settings)
+    ds = store.dataset(args.name)
+    budget = parse_budget_tokens(args.budget_tokens)
+    used = store.used_tokens(ds.name, ds.budget)
+    if budget <= used:
+        raise ConfigError(
+            f"{ds.name} has used {used:,} tokens; a budget of {budget:,} leaves no room"
+        )
+    store.record_reopen(ds.name, budget)
+    ledger.reopen(ds.name, budget)
+    epoch = store.dataset(ds.name).epoch
+    remaining = store.sample_ids(ds.name, "queued")
+    publisher = Publisher(make_celery(settings))
+    for start in range(0, len(remaining), 1000):
+        chunk = remaining[start : start + 1000]
+        publisher.publish(ds.name, stamp_value(ds.name, epoch), chunk)
+        ledger.mark_pending(ds.name, chunk)
+    publisher.announce([ds.name])
+    print(f"{ds.name}: reopened with a budget of {budget:,} tokens ({used:,} used); "
+          f"{len(remaining):,} prompts enqueued")
+    return 0

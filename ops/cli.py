@@ -1,0 +1,114 @@
+"""The ``datagen`` command: one entry point, each subcommand in its own module."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from collections.abc import Sequence
+
+from common.errors import (
+    ConfigError,
+    DatagenError,
+    InputError,
+    ServiceUnavailable,
+    UnknownDatasetError,
+)
+from common.settings import Settings
+
+
+def _add_enqueue(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("enqueue", help="template, store and enqueue prompt files")
+    p.add_argument("paths", nargs="*", help="JSONL files or folders of *.jsonl")
+    p.add_argument("--manifest", help="TOML file: per dataset its files, budget, policy, ...")
+    p.add_argument("--tokenizer", help="tokenizer directory or model id (DATAGEN_TOKENIZER)")
+    p.add_argument("--max-seq-len", type=int, default=32768)
+    p.add_argument("--max-new-tokens", type=int, default=16384)
+    p.add_argument("--temperature", type=float)
+    p.add_argument("--top-p", type=float)
+    p.add_argument("--top-k", type=int)
+    p.add_argument("--min-p", type=float)
+    p.add_argument("--chat-template-kwargs", default="{}", help='JSON, e.g. {"thinking": true}')
+    p.add_argument("--budget-tokens", default=None, help="per dataset, e.g. 10M (default 10M)")
+    p.add_argument("--budget-basis", choices=("output", "total"), default="output")
+    p.add_argument("--policy", choices=("drain", "abort", "exact"), default="drain")
+    p.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="datagen",
+        description="Regenerate a model's responses per dataset under exact token budgets.",
+    )
+    sub = parser.add_subparsers(dest="command", required=True)
+    _add_enqueue(sub)
+    w = sub.add_parser("worker", help="run a Celery worker (threads pool)")
+    w.add_argument("--concurrency", "-c", type=int, help="requests in flight (default 64)")
+    w.add_argument("--loglevel", default="INFO")
+    w.add_argument("--hostname", "-n", help="worker name (default datagen@<host>)")
+    s = sub.add_parser("sim", help="run the SGLang-compatible simulator", add_help=False)
+    s.add_argument("sim_args", nargs=argparse.REMAINDER)
+    st = sub.add_parser("status", help="per-dataset progress from Redis and SQL")
+    st.add_argument("--json", action="store_true")
+    st.add_argument("--watch", action="store_true", help="redraw every 2 s until Ctrl-C")
+    pu = sub.add_parser("purge", help="close a dataset now: purge its queue, revoke, abort")
+    pu.add_argument("name")
+    ro = sub.add_parser("reopen", help="raise a closed dataset's budget and enqueue the rest")
+    ro.add_argument("name")
+    ro.add_argument("--budget-tokens", required=True)
+    d = sub.add_parser("demo", help="the whole job on embedded defaults: simulator, SQLite")
+    d.add_argument("--workers", type=int, default=1)
+    d.add_argument("--concurrency", type=int, default=32)
+    return parser
+
+
+def dispatch(args: argparse.Namespace, settings: Settings) -> int:
+    if args.command == "enqueue":
+        from producer.command import run_enqueue
+
+        return run_enqueue(args, settings)
+    if args.command == "worker":
+        from workers.command import run_worker
+
+        return run_worker(args)
+    if args.command == "sim":
+        from ops.sim import main as sim_main
+
+        return sim_main(args.sim_args)
+    if args.command == "status":
+        from ops.status import run_status
+
+        return run_status(args, settings)
+    if args.command in ("purge", "reopen"):
+        from ops import admin
+
+        return admin.run_purge(args, settings) if args.command == "purge" else \
+            admin.run_reopen(args, settings)
+    from ops.demo import run_demo
+
+    return run_demo(args, settings)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    try:
+        return dispatch(args, Settings.from_env())
+    except UnknownDatasetError as exc:
+        print(f"datagen {args.command}: {exc}", file=sys.stderr)
+        return 2
+    except (ConfigError, InputError) as exc:
+        print(f"datagen {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+    except ServiceUnavailable as exc:
+        print(f"datagen {args.command}: {exc}", file=sys.stderr)
+        return 3
+    except DatagenError as exc:
+        print(f"datagen {args.command}: error: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,124 @@
+"""``datagen demo``: the whole job end to end on embedded defaults.
+
+The simulator stands in for a GPU SGLang server; results go to SQLite (datagen.db unless
+DATAGEN_DATABASE_URL says otherwise); Redis is the configured one, or a private
+redis-server started for the run when none answers. Running it again resumes: nothing
+done is generated twice.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import time
+from contextlib import ExitStack
+from pathlib import Path
+
+import sqlalchemy as sa
+from rich.console import Console
+from rich.live import Live
+from rich.table import Table
+
+from common.services import connect
+from common.settings import Settings
+from common.store import Store
+from ops.localredis import LocalRedis, answers
+from ops.status import collect, render
+from producer.template import BUNDLED_TOKENIZER
+
+EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
+RUN_TIMEOUT_S = 600
+RESULTS_QUERY = """
+SELECT dataset,
+       COUNT(*)                                             AS samples,
+       SUM(completion_tokens)                               AS output_tokens,
+       ROUND(AVG(completion_tokens), 1)                     AS mean_tokens,
+       SUM(CASE WHEN finish_reason = 'length' THEN 1 ELSE 0 END) AS cut_by_length,
+       ROUND(AVG(e2e_latency_s), 2)                         AS mean_latency_s
+FROM results GROUP BY dataset ORDER BY dataset
+"""
+
+
+def _start_sim(stack: ExitStack) -> str:
+    from ops.sim import SimConfig, SimServer
+
+    sim = SimServer(SimConfig(port=0, max_running_requests=48, decode_tok_per_s=400,
+                              mean_output_tokens=300, tokenizer=str(BUNDLED_TOKENIZER)))
+    url = sim.start()
+    stack.callback(sim.stop)
+    return url
+
+
+def _start_workers(stack: ExitStack, settings: Settings, n: int, concurrency: int) -> None:
+    env = {**os.environ, **settings.to_env()}
+    for _ in range(n):
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "ops.cli", "worker", "--concurrency", str(concurrency),
+             "--loglevel", "WARNING"],
+            env=env, cwd=EXAMPLES.parent,
+        )
+        stack.callback(_stop, proc)
+
+
+def _stop(proc: subprocess.Popen[bytes]) -> None:
+    proc.terminate()
+    try:
+        proc.wait(60)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+
+
+def _enqueue(settings: Settings) -> None:
+    env = {**os.environ, **settings.to_env()}
+    subprocess.run(
+        [sys.executable, "-m", "ops.cli", "enqueue", "--manifest",
+         str(EXAMPLES / "datasets.toml"), "--max-new-tokens", "2048", "--max-seq-len", "8192"],
+        env=env, check=True,
+    )
+
+
+def _wait(settings: Settings, console: Console) -> None:
+    store, ledger = connect(settings)
+    deadline = time.monotonic() + RUN_TIMEOUT_S
+    with Live(render(collect(store, ledger)), console=console, auto_refresh=False) as live:
+        while time.monotonic() < deadline:
+            rows = collect(store, ledger)
+            live.update(render(rows), refresh=True)
+            if all(r.state == "closed" or r.done + r.failed + r.skipped == r.prompts
+                   for r in rows) and not any(r.inflight for r in rows):
+                return
+            time.sleep(1)
+    raise TimeoutError(f"the demo run did not finish in {RUN_TIMEOUT_S}s")
+
+
+def _show_query(settings: Settings, console: Console) -> None:
+    with Store(settings.database_url).engine.connect() as conn:
+        res = conn.execute(sa.text(RESULTS_QUERY))
+        table = Table(title="SQL over results:" + RESULTS_QUERY.rstrip(), title_justify="left")
+        columns = res.keys()
+        for col in columns:
+            table.add_column(col, justify="left" if col == "dataset" else "right")
+        for row in res:
+            table.add_row(*(str(v) for v in row))
+    console.print(table)
+
+
+def run_demo(args: argparse.Namespace, settings: Settings) -> int:
+    console = Console()
+    with ExitStack() as stack:
+        if not answers(settings.redis_url):
+            local = LocalRedis()
+            stack.callback(local.stop)
+            settings = settings.replace(redis_url=local.start())
+            console.print(f"no Redis answered; started a private one at {settings.redis_url}")
+        sim_url = _start_sim(stack)
+        settings = settings.replace(sglang_urls=(sim_url,), tokenizer=str(BUNDLED_TOKENIZER))
+        console.print(f"simulated SGLang (stands in for a GPU server) at {sim_url}; "
+                      f"results in {settings.database_url}")
+        _enqueue(settings)
+        _start_workers(stack, settings, args.workers, args.concurrency)
+        _wait(settings, console)
+    _show_query(settings, console)
+    return 0

@@ -1,0 +1,55 @@
+"""Configuration of the simulated SGLang server.
+
+One flat dataclass, because every field is also a CLI flag of `datagen sim` (same name with
+dashes) and tests build it directly: `SimConfig(port=0, decode_tok_per_s=0)`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+#: Version string reported by /server_info: the SGLang release whose wire format we copy.
+SIM_VERSION = "0.5.23-sim"
+
+#: Seconds between two decode wake-ups of a streaming request (one SSE chunk each).
+STREAM_CHUNK_S = 0.05
+
+#: Longest single sleep of a non-streaming request, so runtime speed changes and
+#: disconnect checks take effect within this delay.
+NONSTREAM_STEP_S = 0.5
+
+
+@dataclass
+class SimConfig:
+    """Start-up settings; the fault fields are only initial values (see /sim/faults)."""
+
+    host: str = "127.0.0.1"
+    port: int = 30000
+    max_running_requests: int = 48
+    #: Decode speed of each running sequence in tokens/s; 0 means instant.
+    decode_tok_per_s: float = 100.0
+    mean_output_tokens: int = 300
+    context_length: int = 32768
+    model_name: str = "datagen-sim"
+    #: Directory with tokenizer.json (+ tokenizer_config.json); None = cheap fake vocab.
+    tokenizer: str | None = None
+    #: JSONL file that gets one line per finished /generate request.
+    request_log: str | None = None
+    #: Waiting-queue bound; a request beyond it gets SGLang's 503. None = unbounded.
+    max_queued_requests: int | None = None
+    incremental_streaming_output: bool = False
+    error_rate: float = 0.0
+    error_status: int = 500
+    disconnect_rate: float = 0.0
+    latency_s: float = 0.0
+    #: Seed of the random source used for fault injection (outputs depend on the prompt only).
+    seed: int = 0
+    #: aiohttp access log; off by default because it costs CPU at 400+ requests/s.
+    access_log: bool = False
+    #: In-memory request-log bound (oldest entries dropped first).
+    log_capacity: int = 1_000_000
+
+    @property
+    def max_req_input_len(self) -> int:
+        """Longest prompt the scheduler admits: SGLang's min(ctx - 1, kv - 1) - 5."""
+        return self.context_length - 1 - 5

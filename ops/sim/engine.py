@@ -1,0 +1,233 @@
+"""The simulated scheduler: continuous batching with a FIFO waiting queue.
+
+Model: `max_running_requests` slots. A request takes a free slot at once, or waits in
+FIFO order until one frees. A running sequence decodes at `decode_tok_per_s` tokens/s
+on its own (as in continuous batching, sequences do not wait for each other), so a
+request's latency is queue wait + output length / speed. Aborts (explicit, prefix
+matched, or by client disconnect) take effect at the next wake-up: sleeps are futures
+that an abort resolves early, so no per-token timers are needed even at high speeds.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections import deque
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+from ops.sim.config import SimConfig
+from ops.sim.errors import QUEUE_FULL_MESSAGE, SimHttpError, queue_full_body
+from ops.sim.faults import FaultInjector
+from ops.sim.outputs import Completion
+
+WAITING, RUNNING, DONE = "waiting", "running", "done"
+ABORT_RUNNING = "Aborted"
+ABORT_WAITING = "Abort in waiting queue"
+
+
+class SchedulerReject(Exception):
+    """A scheduler-side abort carrying a status: HTTP error, or a final chunk when streaming."""
+
+    def __init__(self, error: SimHttpError, finish_reason: dict[str, Any]) -> None:
+        super().__init__(error.message)
+        self.error = error
+        self.finish_reason = finish_reason
+
+
+@dataclass(eq=False)
+class Sequence:
+    """One in-flight request inside the engine."""
+
+    rid: str
+    completion: Completion
+    prompt_tokens: int
+    #: Stop after this many tokens with an abort (the `abort_next` fault); None = no.
+    abort_after: int | None = None
+    state: str = WAITING
+    progress: float = 0.0
+    count: int = 0
+    #: Event-loop time up to which progress has been credited; None before decoding.
+    last_tick: float | None = None
+    abort_message: str | None = None
+    admitted: asyncio.Future[bool] | None = None
+    waker: asyncio.Future[None] | None = None
+
+    @property
+    def target(self) -> int:
+        """Tokens this sequence will produce if nobody aborts it."""
+        total = len(self.completion.ids)
+        return total if self.abort_after is None else min(total, self.abort_after)
+
+    def finish_reason(self) -> dict[str, Any]:
+        """SGLang's finish_reason for the sequence as it ended."""
+        if self.abort_message == ABORT_WAITING:
+            return {"type": "abort", "message": ABORT_WAITING}
+        if self.abort_message is not None or self.count < len(self.completion.ids):
+            return {
+                "type": "abort",
+                "message": ABORT_RUNNING,
+                "status_code": None,
+                "err_type": None,
+            }
+        return self.completion.finish_reason()
+
+
+def _wake(fut: asyncio.Future[None]) -> None:
+    if not fut.done():
+        fut.set_result(None)
+
+
+class Engine:
+    """Slots, waiting queue, decode timing and aborts."""
+
+    def __init__(self, cfg: SimConfig, injector: FaultInjector) -> None:
+        self.cfg = cfg
+        self.injector = injector
+        self.waiting: deque[Sequence] = deque()
+        self.running: dict[str, Sequence] = {}
+        self.inflight: dict[str, Sequence] = {}
+
+    # ---- admission -------------------------------------------------------------------
+
+    def submit(self, rid: str, completion: Completion, prompt_tokens: int) -> Sequence:
+        """Register a request (duplicate rid → 400) and start it or queue it."""
+        if rid in self.inflight:
+            raise SimHttpError.request(f"Duplicate request ID detected: {rid}")
+        self._check_admissible(prompt_tokens)
+        seq = Sequence(rid, completion, prompt_tokens)
+        if self.injector.take_abort():
+            seq.abort_after = len(completion.ids) // 2
+        self.inflight[rid] = seq
+        if len(self.running) < self.cfg.max_running_requests:
+            self._start(seq)
+        else:
+            seq.admitted = asyncio.get_running_loop().create_future()
+            self.waiting.append(seq)
+        return seq
+
+    def _check_admissible(self, prompt_tokens: int) -> None:
+        """Scheduler checks: input-length limit, then the waiting-queue bound."""
+        limit = self.cfg.max_req_input_len
+        if prompt_tokens >= limit:
+            message = (
+                f"Input length ({prompt_tokens} tokens) exceeds the maximum allowed length "
+                f"({limit} tokens). Use a shorter input or enable --allow-auto-truncate."
+            )
+            reason = {
+                "type": "abort",
+                "message": message,
+                "status_code": 400,
+                "err_type": "BadRequestError",
+            }
+            raise SchedulerReject(SimHttpError.request(message), reason)
+        bound = self.cfg.max_queued_requests
+        full = len(self.running) >= self.cfg.max_running_requests
+        if bound is not None and full and len(self.waiting) >= bound:
+            error = SimHttpError(503, queue_full_body(), QUEUE_FULL_MESSAGE, sse=False)
+            reason = {"type": "abort", "status_code": 503, "message": QUEUE_FULL_MESSAGE}
+            raise SchedulerReject(error, reason)
+
+    def _start(self, seq: Sequence) -> None:
+        seq.state = RUNNING
+        self.running[seq.rid] = seq
+
+    def _admit_next(self) -> None:
+        while self.waiting and len(self.running) < self.cfg.max_running_requests:
+            seq = self.waiting.popleft()
+            self._start(seq)
+            if seq.admitted is not None and not seq.admitted.done():
+                seq.admitted.set_result(True)
+
+    async def wait_admitted(self, seq: Sequence) -> bool:
+        """Wait for a slot; False if the request was aborted while waiting."""
+        if seq.state == RUNNING:
+            return True
+        if seq.admitted is None:
+            return False
+        return await seq.admitted
+
+    # ---- decoding --------------------------------------------------------------------
+
+    async def decode(self, seq: Sequence, step_s: float) -> AsyncIterator[int]:
+        """Advance seq in steps of at most step_s seconds, yielding the token count."""
+        seq.last_tick = asyncio.get_running_loop().time()
+        while seq.count < seq.target and seq.abort_message is None:
+            speed = self.injector.faults.decode_tok_per_s
+            if speed > 0:
+                await self._sleep(seq, min(step_s, (seq.target - seq.progress) / speed))
+            self._advance(seq)
+            yield seq.count
+
+    def _advance(self, seq: Sequence) -> None:
+        """Credit seq with the tokens decoded since its last tick (all of them if instant)."""
+        if seq.last_tick is None:
+            return
+        now = asyncio.get_running_loop().time()
+        speed = self.injector.faults.decode_tok_per_s
+        if speed <= 0:
+            seq.progress = float(seq.target)
+        else:
+            seq.progress += (now - seq.last_tick) * speed
+        seq.last_tick = now
+        seq.count = min(seq.target, int(seq.progress + 1e-6))
+
+    async def _sleep(self, seq: Sequence, delay: float) -> None:
+        """Sleep that an abort can cut short (resolves seq.waker early)."""
+        fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        handle = asyncio.get_running_loop().call_later(max(0.0, delay), _wake, fut)
+        seq.waker = fut
+        try:
+            await fut
+        finally:
+            handle.cancel()
+            seq.waker = None
+
+    # ---- ending ----------------------------------------------------------------------
+
+    def abort(self, rid_prefix: str | None, abort_all: bool = False) -> int:
+        """Abort in-flight requests by rid prefix (or all); returns how many matched."""
+        if not abort_all and not rid_prefix:
+            return 0
+        hits = [
+            s for s in self.inflight.values() if abort_all or s.rid.startswith(rid_prefix or "")
+        ]
+        for seq in hits:
+            self._abort(seq)
+        return len(hits)
+
+    def _abort(self, seq: Sequence) -> None:
+        if seq.abort_message is not None:
+            return
+        if seq.state == WAITING:
+            seq.abort_message = ABORT_WAITING
+            self._leave(seq)
+            if seq.admitted is not None and not seq.admitted.done():
+                seq.admitted.set_result(False)
+            return
+        seq.abort_message = ABORT_RUNNING
+        if seq.waker is not None:
+            _wake(seq.waker)
+
+    def _leave(self, seq: Sequence) -> None:
+        """Drop seq from every structure and hand its slot to the next waiter."""
+        if seq.state == WAITING:
+            with contextlib.suppress(ValueError):
+                self.waiting.remove(seq)
+        self.running.pop(seq.rid, None)
+        if self.inflight.get(seq.rid) is seq:
+            del self.inflight[seq.rid]
+        seq.state = DONE
+        self._admit_next()
+
+    def finish(self, seq: Sequence) -> None:
+        """Release seq's slot or queue place (idempotent), crediting tokens decoded so far."""
+        if seq.state == RUNNING and seq.count < seq.target:
+            self._advance(seq)
+        if seq.state != DONE:
+            self._leave(seq)
+
+    def gen_throughput(self) -> float:
+        """Current decode throughput (tokens/s) of the whole server."""
+        return len(self.running) * self.injector.faults.decode_tok_per_s

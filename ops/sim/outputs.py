@@ -1,0 +1,138 @@
+"""Deterministic completions: the same prompt always yields the same output ids.
+
+Why deterministic: tests and demos compare results across retries, workers and runs, so a
+prompt's output must not depend on timing or on which simulator process answered it. All
+randomness is derived from a blake2b digest of the prompt ids:
+
+* the natural length L (tokens up to and including EOS) follows a lognormal spread whose
+  mean is `mean_output_tokens` (at least 1 token);
+* the ids come from SHAKE-128 seeded by the digest, which is prefix-stable: asking for
+  more tokens never changes the earlier ones, so a larger max_new_tokens extends a
+  capped output instead of replacing it.
+
+With a real tokenizer the output looks like a reasoning model's: ordinary vocabulary ids,
+`</think>` about 60 % into the output, answer ids, then EOS.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import random
+from array import array
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Protocol
+
+from ops.sim.vocab import PlainVocab, load_vocab
+
+_LOGNORMAL_SIGMA = 0.75
+_THINK_FRACTION = 0.6
+_TEXT_CACHE_SIZE = 4096
+
+
+class Vocab(Protocol):
+    """What the output model needs from a vocabulary."""
+
+    eos_id: int
+    think_id: int | None
+
+    def content_ids(self, seed: bytes, n: int) -> list[int]:
+        """n ordinary ids drawn deterministically (and prefix-stably) from seed."""
+        ...
+
+    def decode(self, ids: list[int]) -> str:
+        """Text of ids with special tokens skipped."""
+        ...
+
+
+def prompt_digest(input_ids: list[int]) -> bytes:
+    """16-byte blake2b of the prompt ids (packed as int64, cheaper than JSON)."""
+    return hashlib.blake2b(array("q", input_ids).tobytes(), digest_size=16).digest()
+
+
+@dataclass(frozen=True)
+class Completion:
+    """The planned output of one request, already capped to its max_new_tokens."""
+
+    ids: list[int]
+    #: "stop" (ended with EOS) or "length" (cut by max_new_tokens).
+    finish_type: str
+    eos_id: int
+    max_new_tokens: int
+    #: Index of `</think>` inside the natural output, if the output has one.
+    think_pos: int | None
+    digest: bytes
+    #: Whether EOS was ignored (changes where `</think>` sits, so it is part of cache keys).
+    ignore_eos: bool = False
+
+    def finish_reason(self) -> dict[str, object]:
+        """SGLang's finish_reason dict for a completion that ran to its end."""
+        if self.finish_type == "stop":
+            return {"type": "stop", "matched": self.eos_id}
+        return {"type": "length", "length": self.max_new_tokens}
+
+    def reasoning_tokens(self, n: int) -> int:
+        """Tokens of the first n that belong to the reasoning (through `</think>`)."""
+        if self.think_pos is None:
+            return 0
+        return min(n, self.think_pos + 1)
+
+
+class OutputModel:
+    """Plans completions and decodes them, caching decoded text per prompt."""
+
+    def __init__(self, mean_output_tokens: int, tokenizer_dir: str | None = None) -> None:
+        self.mean_output_tokens = max(1, int(mean_output_tokens))
+        self.vocab: Vocab = load_vocab(tokenizer_dir) if tokenizer_dir else PlainVocab()
+        self._mu = math.log(self.mean_output_tokens) - _LOGNORMAL_SIGMA**2 / 2
+        self._texts: OrderedDict[tuple[bytes, bool, int], str] = OrderedDict()
+
+    @property
+    def eos_id(self) -> int:
+        """Id that ends a natural completion."""
+        return self.vocab.eos_id
+
+    def natural_length(self, digest: bytes) -> int:
+        """Output length (EOS included) the prompt would produce without a cap."""
+        rng = random.Random(int.from_bytes(digest[:8], "little"))
+        return max(1, round(rng.lognormvariate(self._mu, _LOGNORMAL_SIGMA)))
+
+    def complete(self, input_ids: list[int], max_new_tokens: int, ignore_eos: bool) -> Completion:
+        """Plan the output for a prompt under a max_new_tokens cap."""
+        digest = prompt_digest(input_ids)
+        natural = max_new_tokens + 1 if ignore_eos else self.natural_length(digest)
+        n = min(natural, max_new_tokens)
+        ids = self.vocab.content_ids(digest, n)
+        think_pos = self._think_position(natural, ignore_eos)
+        think_id = self.vocab.think_id
+        if think_id is not None and think_pos is not None and think_pos < n:
+            ids[think_pos] = think_id
+        if n == natural:
+            ids[-1] = self.vocab.eos_id
+        finish = "length" if natural >= max_new_tokens else "stop"
+        return Completion(
+            ids, finish, self.vocab.eos_id, max_new_tokens, think_pos, digest, ignore_eos
+        )
+
+    def _think_position(self, natural: int, ignore_eos: bool) -> int | None:
+        if self.vocab.think_id is None or natural < 3:
+            return None
+        if ignore_eos:
+            natural = self.mean_output_tokens
+        return max(1, int(_THINK_FRACTION * (natural - 1)))
+
+    def text(self, completion: Completion, n: int) -> str:
+        """Decoded text of the first n output ids (cached: streams ask repeatedly)."""
+        if n <= 0:
+            return ""
+        key = (completion.digest, completion.ignore_eos, n)
+        cached = self._texts.get(key)
+        if cached is not None:
+            self._texts.move_to_end(key)
+            return cached
+        text = self.vocab.decode(completion.ids[:n])
+        self._texts[key] = text
+        if len(self._texts) > _TEXT_CACHE_SIZE:
+            self._texts.popitem(last=False)
+        return text

@@ -1,0 +1,66 @@
+"""Everything one simulator instance owns, shared by its HTTP handlers."""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+
+from aiohttp import web
+
+from ops.sim.config import SimConfig
+from ops.sim.engine import Engine
+from ops.sim.faults import FaultInjector
+from ops.sim.outputs import OutputModel
+from ops.sim.reqlog import RequestLog, RequestRecord
+
+
+class SimState:
+    """Config, output model, faults, engine, request log and counters of one server."""
+
+    def __init__(self, cfg: SimConfig) -> None:
+        self.cfg = cfg
+        self.outputs = OutputModel(cfg.mean_output_tokens, cfg.tokenizer)
+        self.injector = FaultInjector(cfg)
+        self.engine = Engine(cfg, self.injector)
+        self.log = RequestLog(cfg.request_log, cfg.log_capacity)
+        self.started_ts = time.time()
+        self.arrived = 0
+        self.finish_counts: Counter[str] = Counter()
+        self.output_tokens = 0
+        self.prompt_tokens = 0
+
+    def record_done(self, record: RequestRecord) -> None:
+        """Count a finished request and append it to the log."""
+        self.finish_counts[record.finish_type] += 1
+        self.output_tokens += record.completion_tokens
+        self.prompt_tokens += record.prompt_tokens
+        self.log.add(record)
+
+    def reset(self) -> None:
+        """`POST /sim/reset`: clear the log, faults and counters (in-flight work goes on)."""
+        self.log.clear()
+        self.injector.reset()
+        self.arrived = 0
+        self.finish_counts.clear()
+        self.output_tokens = 0
+        self.prompt_tokens = 0
+
+    def stats(self) -> dict[str, object]:
+        """`GET /sim/stats` payload."""
+        counts = self.finish_counts
+        return {
+            "requests": self.arrived,
+            "running": len(self.engine.running),
+            "waiting": len(self.engine.waiting),
+            "completed": counts["stop"] + counts["length"],
+            "aborted": counts["abort"],
+            "errors": counts["error"],
+            "disconnects": counts["disconnect"],
+            "output_tokens": self.output_tokens,
+            "prompt_tokens": self.prompt_tokens,
+            "by_finish": dict(counts),
+            "gen_throughput": self.engine.gen_throughput(),
+        }
+
+
+SIM_KEY: web.AppKey[SimState] = web.AppKey("sim", SimState)

@@ -1,0 +1,102 @@
+"""Vocabularies the simulator draws output ids from.
+
+`PlainVocab` needs nothing and is very cheap (ids in [10, 32000), EOS 2, text "t<id> ...").
+`TokenizerVocab` uses a real `tokenizers` file so that clients which decode, count or parse
+reasoning see realistic ids: only ordinary (non-added, printable) tokens are drawn, EOS and
+`</think>` come from the tokenizer itself.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import sys
+from array import array
+from pathlib import Path
+
+PLAIN_EOS_ID = 2
+PLAIN_LOW, PLAIN_HIGH = 10, 32000
+_EOS_FALLBACKS = ("<|im_end|>", "<|endoftext|>", "</s>", "<eos>")
+
+
+def _stream_words(seed: bytes, n: int, typecode: str) -> array[int]:
+    """n unsigned words from SHAKE-128(seed); prefix-stable across n."""
+    words: array[int] = array(typecode)
+    words.frombytes(hashlib.shake_128(seed).digest(n * words.itemsize))
+    if sys.byteorder == "big":  # keep outputs identical on every machine
+        words.byteswap()
+    return words
+
+
+class PlainVocab:
+    """Synthetic vocabulary: no tokenizer needed, decoding is a string join."""
+
+    eos_id: int = PLAIN_EOS_ID
+    think_id: int | None = None
+
+    def content_ids(self, seed: bytes, n: int) -> list[int]:
+        """n ids in [PLAIN_LOW, PLAIN_HIGH)."""
+        span = PLAIN_HIGH - PLAIN_LOW
+        return [PLAIN_LOW + w % span for w in _stream_words(seed, n, "H")]
+
+    def decode(self, ids: list[int]) -> str:
+        """Space-joined "t<id>" words; EOS is special and skipped, like SGLang's detokenizer."""
+        return " ".join(f"t{i}" for i in ids if i != PLAIN_EOS_ID)
+
+
+class TokenizerVocab:
+    """A real tokenizer directory (tokenizer.json + tokenizer_config.json)."""
+
+    def __init__(self, directory: str) -> None:
+        from tokenizers import Tokenizer  # imported lazily: only this mode needs it
+
+        root = Path(directory)
+        self.tokenizer = Tokenizer.from_file(str(root / "tokenizer.json"))
+        self.eos_id = self._find_eos(root)
+        self.think_id: int | None = self.tokenizer.token_to_id("</think>")
+        self.pool = self._ordinary_ids()
+        if not self.pool:
+            raise ValueError(f"{directory}: tokenizer has no ordinary tokens to draw from")
+
+    def _find_eos(self, root: Path) -> int:
+        """EOS id named by tokenizer_config.json, else a well-known end token."""
+        names: list[str] = []
+        config_path = root / "tokenizer_config.json"
+        if config_path.exists():
+            eos = json.loads(config_path.read_text(encoding="utf-8")).get("eos_token")
+            if isinstance(eos, dict):
+                eos = eos.get("content")
+            if isinstance(eos, str):
+                names.append(eos)
+        for name in (*names, *_EOS_FALLBACKS):
+            token_id = self.tokenizer.token_to_id(name)
+            if token_id is not None:
+                return int(token_id)
+        raise ValueError(f"{root}: cannot find an EOS token")
+
+    def _ordinary_ids(self) -> array[int]:
+        """Non-added ids whose own text is printable, so decoded output reads cleanly."""
+        added = set(self.tokenizer.get_added_tokens_decoder())
+        size = self.tokenizer.get_vocab_size(with_added_tokens=True)
+        candidates = [i for i in range(size) if i not in added]
+        texts = self.tokenizer.decode_batch([[i] for i in candidates])
+        keep = [
+            i
+            for i, text in zip(candidates, texts, strict=True)
+            if text.strip() and "\ufffd" not in text and text.isprintable()
+        ]
+        return array("l", keep)
+
+    def content_ids(self, seed: bytes, n: int) -> list[int]:
+        """n ids drawn uniformly from the ordinary pool."""
+        pool, size = self.pool, len(self.pool)
+        return [pool[w % size] for w in _stream_words(seed, n, "I")]
+
+    def decode(self, ids: list[int]) -> str:
+        """Tokenizer decode with special tokens skipped (`</think>` is not special: it stays)."""
+        return str(self.tokenizer.decode(ids, skip_special_tokens=True))
+
+
+def load_vocab(directory: str) -> TokenizerVocab:
+    """Load a tokenizer directory, failing loudly (a bad path is a config error)."""
+    return TokenizerVocab(directory)

@@ -1,0 +1,88 @@
+"""What to enqueue: per dataset its files, budget and sampling, from flags or a manifest."""
+
+from __future__ import annotations
+
+import tomllib
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+from common.budget import Budget, parse_budget_tokens
+from common.errors import ConfigError
+from common.names import validate_dataset_name
+from producer.reader import discover
+
+SAMPLING_KEYS = ("temperature", "top_p", "top_k", "min_p")
+# SGLang's own defaults, sent explicitly: /generate does not read generation_config.
+DEFAULT_SAMPLING: dict[str, Any] = {"temperature": 1.0, "top_p": 1.0, "top_k": -1, "min_p": 0.0}
+
+
+@dataclass(frozen=True)
+class DatasetPlan:
+    name: str
+    files: tuple[Path, ...]
+    budget: Budget = field(default_factory=Budget)
+    sampling: dict[str, Any] = field(default_factory=lambda: dict(DEFAULT_SAMPLING))
+    max_new_tokens: int = 16384
+
+
+def plans_from_paths(
+    paths: list[str], budget: Budget, sampling: dict[str, Any], max_new_tokens: int
+) -> list[DatasetPlan]:
+    return [
+        DatasetPlan(name, tuple(files), budget, dict(sampling), max_new_tokens)
+        for name, files in discover(paths).items()
+    ]
+
+
+def plans_from_manifest(
+    path: str, budget: Budget, sampling: dict[str, Any], max_new_tokens: int
+) -> list[DatasetPlan]:
+    """A TOML manifest: one ``[datasets.NAME]`` table per dataset.
+
+        [datasets.B2]
+        files = ["prompts/B2.jsonl"]     # relative to the manifest
+        budget_tokens = "10M"
+        policy = "drain"                 # drain | abort | exact
+        basis = "output"                 # output | total
+        max_new_tokens = 16384
+        temperature = 0.6                # also top_p, top_k, min_p
+    """
+    source = Path(path)
+    try:
+        doc = tomllib.loads(source.read_text(encoding="utf-8"))
+    except (OSError, tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"manifest {path}: {exc}") from None
+    tables = doc.get("datasets")
+    if not isinstance(tables, dict) or not tables:
+        raise ConfigError(f"manifest {path}: no [datasets.NAME] tables")
+    return [
+        _plan_from_table(source, name, spec, budget, sampling, max_new_tokens)
+        for name, spec in tables.items()
+    ]
+
+
+def _plan_from_table(
+    source: Path, name: str, spec: Any, budget: Budget, sampling: dict[str, Any], max_new: int
+) -> DatasetPlan:
+    where = f"manifest {source} [datasets.{name}]"
+    validate_dataset_name(name, source=where)
+    if not isinstance(spec, dict) or not isinstance(spec.get("files"), list) or not spec["files"]:
+        raise ConfigError(f"{where}: needs files = [\"...jsonl\", ...]")
+    files = [source.parent / str(f) for f in spec["files"]]
+    for f in files:
+        if not f.is_file():
+            raise ConfigError(f"{where}: file {f} does not exist")
+    unknown = set(spec) - {"files", "budget_tokens", "policy", "basis", "max_new_tokens",
+                           *SAMPLING_KEYS}
+    if unknown:
+        raise ConfigError(f"{where}: unknown keys {', '.join(sorted(unknown))}")
+    terms = replace(
+        budget,
+        tokens=parse_budget_tokens(spec.get("budget_tokens", budget.tokens)),
+        policy=spec.get("policy", budget.policy),
+        basis=spec.get("basis", budget.basis),
+    )
+    overrides = {k: spec[k] for k in SAMPLING_KEYS if k in spec}
+    max_new_tokens = int(spec.get("max_new_tokens", max_new))
+    return DatasetPlan(name, tuple(files), terms, {**sampling, **overrides}, max_new_tokens)

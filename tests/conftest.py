@@ -1,0 +1,104 @@
+"""Fixtures on real services: Redis (a dedicated DB, flushed before and after each test),
+SQLite and PostgreSQL (the same store tests on both), the simulator over HTTP, and a
+real Celery worker with the threads pool."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import redis
+import requests
+import sqlalchemy as sa
+
+from common.ledger import Ledger
+from common.schema import metadata
+from common.settings import Settings
+from common.store import Store
+
+REDIS_URL = os.environ.get("DATAGEN_TEST_REDIS_URL", "redis://127.0.0.1:6379/15")
+POSTGRES_URL = os.environ.get(
+    "DATAGEN_TEST_POSTGRES_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/test"
+)
+ROOT = Path(__file__).resolve().parent.parent
+EXAMPLES = ROOT / "examples" / "prompts"
+
+
+@pytest.fixture
+def redis_client() -> Iterator[redis.Redis]:
+    client = redis.Redis.from_url(REDIS_URL)
+    client.flushdb()
+    yield client
+    client.flushdb()
+    client.close()
+
+
+def _fresh_postgres() -> str:
+    engine = sa.create_engine(POSTGRES_URL)
+    metadata.drop_all(engine)
+    engine.dispose()
+    return POSTGRES_URL
+
+
+@pytest.fixture(params=["sqlite", "postgresql"])
+def db_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
+    if request.param == "sqlite":
+        return f"sqlite:///{tmp_path / 'datagen.db'}"
+    return _fresh_postgres()
+
+
+@pytest.fixture
+def sqlite_url(tmp_path: Path) -> str:
+    return f"sqlite:///{tmp_path / 'datagen.db'}"
+
+
+@pytest.fixture(scope="session")
+def sim_server() -> Iterator[str]:
+    from ops.sim import SimConfig, SimServer
+    from producer.template import BUNDLED_TOKENIZER
+
+    server = SimServer(
+        SimConfig(port=0, decode_tok_per_s=0, mean_output_tokens=60, max_running_requests=64,
+                  tokenizer=str(BUNDLED_TOKENIZER))
+    )
+    url = server.start()
+    yield url
+    server.stop()
+
+
+@pytest.fixture
+def sim(sim_server: str) -> str:
+    """The shared simulator, with its request log and faults reset for this test."""
+    requests.post(f"{sim_server}/sim/reset", timeout=5).raise_for_status()
+    return sim_server
+
+
+def make_settings(db: str, sim_url: str, **overrides: object) -> Settings:
+    base = Settings(
+        redis_url=REDIS_URL,
+        database_url=db,
+        sglang_urls=(sim_url,),
+        request_timeout_s=30,
+        max_attempts=3,
+        retry_base_s=0.05,
+        retry_max_s=0.2,
+        concurrency=16,
+    )
+    return base.replace(**overrides)
+
+
+@pytest.fixture
+def settings(db_url: str, sim: str, redis_client: redis.Redis) -> Settings:
+    return make_settings(db_url, sim)
+
+
+@pytest.fixture
+def store(settings: Settings) -> Store:
+    return Store(settings.database_url)
+
+
+@pytest.fixture
+def ledger(redis_client: redis.Redis) -> Ledger:
+    return Ledger(redis_client)

@@ -1,0 +1,91 @@
+"""Running a real worker, waiting for a run to settle, and the invariants every run keeps."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+
+import sqlalchemy as sa
+from celery import Celery
+from celery.contrib.testing.worker import start_worker
+
+from common.budget import Budget
+from common.celery_app import make_celery
+from common.ledger import Ledger
+from common.schema import prompts, results
+from common.settings import Settings
+from common.store import Store
+from producer.enqueue import DatasetSummary, Enqueuer, Limits
+from producer.plan import plans_from_paths
+from producer.template import BUNDLED_TOKENIZER, ChatTemplater
+from workers.app import create_app
+
+SETTLED = ("done", "failed", "skipped")
+
+
+@contextmanager
+def running_worker(settings: Settings, concurrency: int = 16) -> Iterator[Celery]:
+    app = create_app(settings)
+    with start_worker(app, pool="threads", concurrency=concurrency, perform_ping_check=False,
+                      shutdown_timeout=30):
+        yield app
+
+
+def enqueue_paths(
+    settings: Settings, paths: Sequence[str], budget: Budget | None = None,
+    max_new_tokens: int = 512, max_seq_len: int = 4096,
+) -> list[DatasetSummary]:
+    store = Store(settings.database_url)
+    ledger = Ledger(_redis(settings))
+    plans = plans_from_paths(list(paths), budget or Budget(), {"temperature": 1.0},
+                             max_new_tokens)
+    templater = ChatTemplater(str(BUNDLED_TOKENIZER))
+    enqueuer = Enqueuer(store, ledger, make_celery(settings), templater, Limits(max_seq_len))
+    return enqueuer.run(plans)
+
+
+def _redis(settings: Settings):  # type: ignore[no-untyped-def]
+    import redis
+
+    return redis.Redis.from_url(settings.redis_url)
+
+
+def wait_settled(store: Store, datasets: Sequence[str], timeout_s: float = 60.0) -> None:
+    """Until no prompt of these datasets is still queued (closed datasets excepted)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        left = 0
+        for name in datasets:
+            if store.dataset(name).state == "closed":
+                continue
+            left += store.prompt_counts(name).get("queued", 0)
+        if left == 0:
+            return
+        time.sleep(0.2)
+    raise AssertionError(f"run did not settle in {timeout_s}s: {left} prompts still queued")
+
+
+def duplicate_results(store: Store) -> list[tuple[str, str, int]]:
+    q = (
+        sa.select(results.c.dataset, results.c.sample_id, sa.func.count())
+        .group_by(results.c.dataset, results.c.sample_id)
+        .having(sa.func.count() > 1)
+    )
+    with store.engine.connect() as conn:
+        return [tuple(r) for r in conn.execute(q)]  # type: ignore[misc]
+
+
+def assert_invariants(store: Store, ledger: Ledger, datasets: Sequence[str]) -> None:
+    """Every prompt settled once; results unique; Redis counters equal SQL sums."""
+    assert duplicate_results(store) == []
+    for name in datasets:
+        ds = store.dataset(name)
+        if ds.state != "closed":
+            assert set(store.prompt_counts(name)) <= set(SETTLED), store.prompt_counts(name)
+        assert ledger.state(name).used_tokens == store.used_tokens(name, ds.budget), name
+        with store.engine.connect() as conn:
+            done = conn.scalar(sa.select(sa.func.count()).where(
+                prompts.c.dataset == name, prompts.c.state == "done"))
+            kept = conn.scalar(sa.select(sa.func.count()).where(results.c.dataset == name))
+        assert done == kept, (name, done, kept)

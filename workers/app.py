@@ -1,0 +1,52 @@
+"""The worker's Celery app: ``celery -A workers worker`` and ``datagen worker`` start it.
+
+A threads pool sized for IO-bound HTTP: each slot spends its life waiting on SGLang, and
+one process with 64 threads fits where 64 prefork children would not.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from celery import Celery, signals
+
+from common.celery_app import make_celery
+from common.reconcile import reconcile_all
+from common.settings import Settings
+from workers.context import get_context
+from workers.queues import DatasetQueues
+from workers.tasks import register_tasks
+
+log = logging.getLogger("datagen.worker")
+
+
+def create_app(settings: Settings) -> Celery:
+    app = make_celery(settings, main="datagen-worker")
+    app.conf.update(worker_pool="threads", worker_concurrency=settings.concurrency)
+    app.datagen_settings = settings  # type: ignore[attr-defined]
+    register_tasks(app, settings)
+    app.steps["consumer"].add(DatasetQueues)
+    return app
+
+
+def prepare(app: Celery) -> None:
+    """Before consuming: rebuild the ledger from SQL and say which servers are down."""
+    ctx = get_context(app)
+    for r in reconcile_all(ctx.store, ctx.ledger):
+        if r.tokens_added or r.closed_now:
+            log.info("reconciled %s: +%d tokens, closed now: %s", r.name, r.tokens_added,
+                     r.closed_now)
+    for problem in ctx.client.check_servers():
+        log.warning("SGLang server not answering at start: %s", problem)
+
+
+settings = Settings.from_env()
+app = create_app(settings)
+
+
+@signals.worker_init.connect
+def _prepare_on_start(sender: Any = None, **_: Any) -> None:
+    worker_app = getattr(sender, "app", None)
+    if isinstance(worker_app, Celery) and hasattr(worker_app, "datagen_settings"):
+        prepare(worker_app)

@@ -1,0 +1,86 @@
+"""What a worker process holds for its whole life: store, ledger, HTTP client, caches."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import redis
+from celery import Celery
+
+from common.ledger import Ledger
+from common.settings import Settings
+from common.sglang_client import SGLangClient
+from common.store import DatasetRow, Store
+
+log = logging.getLogger(__name__)
+DATASET_CACHE_S = 5.0
+Decoder = Callable[[Sequence[int]], str]
+
+
+@dataclass
+class WorkerContext:
+    settings: Settings
+    store: Store
+    ledger: Ledger
+    client: SGLangClient
+    app: Celery | None = None
+    _datasets: dict[str, tuple[float, DatasetRow]] = field(default_factory=dict)
+    _decoders: dict[str, Decoder | None] = field(default_factory=dict)
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+
+    @classmethod
+    def build(cls, settings: Settings, app: Celery | None = None) -> WorkerContext:
+        client = SGLangClient(
+            settings.sglang_urls,
+            connect_timeout_s=settings.connect_timeout_s,
+            read_timeout_s=settings.request_timeout_s,
+            api_key=settings.sglang_api_key,
+        )
+        ledger = Ledger(redis.Redis.from_url(settings.redis_url, health_check_interval=25))
+        return cls(settings, Store(settings.database_url), ledger, client, app)
+
+    def dataset(self, name: str) -> DatasetRow:
+        """The dataset's terms, re-read every few seconds so budget changes arrive."""
+        now = time.monotonic()
+        cached = self._datasets.get(name)
+        if cached is None or now - cached[0] > DATASET_CACHE_S:
+            row = self.store.dataset(name)
+            with self._lock:
+                self._datasets[name] = (now, row)
+            return row
+        return cached[1]
+
+    def decoder(self, tokenizer: str) -> Decoder | None:
+        """A decoder for cut outputs, loaded once with the light ``tokenizers`` library."""
+        if tokenizer not in self._decoders:
+            path = Path(tokenizer) / "tokenizer.json"
+            fn: Decoder | None = None
+            if path.is_file():
+                from tokenizers import Tokenizer
+
+                tok = Tokenizer.from_file(str(path))
+
+                def fn(ids: Sequence[int], _tok: Tokenizer = tok) -> str:
+                    return _tok.decode(list(ids), skip_special_tokens=True)
+
+            with self._lock:
+                self._decoders[tokenizer] = fn
+        return self._decoders[tokenizer]
+
+
+_context_lock = threading.Lock()
+
+
+def get_context(app: Celery) -> WorkerContext:
+    """The app's context, built on first use (after the pool forks, if it does)."""
+    with _context_lock:
+        ctx = getattr(app, "datagen_context", None)
+        if ctx is None:
+            ctx = WorkerContext.build(app.datagen_settings, app)  # type: ignore[attr-defined]
+            app.datagen_context = ctx  # type: ignore[attr-defined]
+        return ctx

@@ -1,0 +1,55 @@
+"""The Celery task: thin. It unpacks ids, runs the pipeline, and maps errors to retries."""
+
+from __future__ import annotations
+
+import logging
+import random
+
+from celery import Celery, Task
+
+from common.celery_app import GENERATE_TASK
+from common.errors import PermanentError, TransientError
+from common.settings import Settings
+from workers.context import WorkerContext, get_context
+from workers.pipeline import Outcome, run_sample
+
+log = logging.getLogger(__name__)
+# How long a task waits for its dataset's in-flight requests when admission says "wait".
+ADMISSION_WAIT_S = 2.0
+
+
+def backoff_s(settings: Settings, attempt: int, hint_s: float = 0.0) -> float:
+    """Exponential backoff with full jitter, never below the server's own hint."""
+    ceiling = min(settings.retry_max_s, settings.retry_base_s * 2 ** max(0, attempt - 1))
+    return max(hint_s, random.uniform(ceiling / 2, ceiling))
+
+
+def register_tasks(app: Celery, settings: Settings) -> Task:
+    @app.task(name=GENERATE_TASK, bind=True, max_retries=None, acks_late=True, shared=False)
+    def generate(self: Task, dataset: str, sample_id: str) -> str:
+        ctx = get_context(app)
+        try:
+            outcome = run_sample(ctx, dataset, sample_id)
+        except TransientError as exc:
+            attempts = ctx.store.record_attempt(dataset, sample_id, str(exc))
+            if attempts >= settings.max_attempts:
+                return _fail(ctx, dataset, sample_id, f"after {attempts} attempts: {exc}")
+            delay = backoff_s(settings, attempts, exc.delay_s)
+            log.info("%s/%s attempt %d failed (%s); retry in %.1fs",
+                     dataset, sample_id, attempts, exc, delay)
+            raise self.retry(countdown=delay) from None
+        except PermanentError as exc:
+            ctx.store.record_attempt(dataset, sample_id, str(exc))
+            return _fail(ctx, dataset, sample_id, str(exc))
+        if outcome is Outcome.WAIT:
+            raise self.retry(countdown=ADMISSION_WAIT_S * random.uniform(1, 1.5))
+        return outcome.value
+
+    return generate
+
+
+def _fail(ctx: WorkerContext, dataset: str, sample_id: str, error: str) -> str:
+    log.warning("%s/%s failed: %s", dataset, sample_id, error)
+    ctx.store.mark_failed(dataset, sample_id, error)
+    ctx.ledger.forget_pending(dataset, sample_id)
+    return "failed"
