@@ -21,6 +21,7 @@ from rich.console import Console
 from rich.live import Live
 from rich.table import Table
 
+from common.console import make_console
 from common.services import connect
 from common.settings import Settings
 from common.store import Store
@@ -57,7 +58,7 @@ def _start_workers(stack: ExitStack, settings: Settings, n: int, concurrency: in
         proc = subprocess.Popen(
             [sys.executable, "-m", "ops.cli", "worker", "--concurrency", str(concurrency),
              "--loglevel", "WARNING"],
-            env=env, cwd=EXAMPLES.parent,
+            env=env,
         )
         stack.callback(_stop, proc)
 
@@ -106,7 +107,7 @@ def _show_query(settings: Settings, console: Console) -> None:
 
 
 def run_demo(args: argparse.Namespace, settings: Settings) -> int:
-    console = Console()
+    console = make_console()
     with ExitStack() as stack:
         if not answers(settings.redis_url):
             local = LocalRedis()

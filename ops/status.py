@@ -13,10 +13,10 @@ from dataclasses import asdict, dataclass
 from datetime import UTC, datetime
 from typing import Any
 
-from rich.console import Console
 from rich.live import Live
 from rich.table import Table
 
+from common.console import make_console
 from common.ledger import Ledger
 from common.services import connect
 from common.settings import Settings
@@ -104,7 +104,7 @@ def run_status(args: argparse.Namespace, settings: Settings) -> int:
     if args.json:
         print(json.dumps(as_json(collect(store, ledger)), indent=2))
         return 0
-    console = Console()
+    console = make_console()
     if not args.watch:
         console.print(render(collect(store, ledger)))
         return 0

@@ -9,12 +9,12 @@ import time
 from pathlib import Path
 from typing import Any
 
-from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
 from common.budget import DEFAULT_BUDGET_TOKENS, Budget, parse_budget_tokens
 from common.celery_app import make_celery
+from common.console import make_console
 from common.errors import ConfigError
 from common.services import connect
 from common.settings import Settings
@@ -66,7 +66,7 @@ def run_enqueue(args: argparse.Namespace, settings: Settings) -> int:
     store, ledger = connect(settings)
     app = make_celery(settings)
     total = sum(count_lines(f) for p in plans for f in p.files)
-    console = Console(stderr=True)
+    console = make_console(stderr=True)
     started = time.monotonic()
     with Progress(
         TextColumn("enqueue"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
@@ -97,7 +97,7 @@ def print_summary(summaries: list[DatasetSummary], elapsed_s: float) -> None:
         table.add_row(s.name, *(f"{n:,}" for n in (
             s.read, s.bad, s.duplicates, s.skipped, s.enqueued, s.already_queued,
             s.already_done, s.failed_before)), "closed" if s.closed else "open")
-    Console().print(table)
+    make_console().print(table)
     read = sum(s.read for s in summaries)
     rate = read / elapsed_s if elapsed_s > 0 else 0.0
     print(f"{read:,} prompts read in {elapsed_s:.1f}s ({rate:,.0f}/s); "

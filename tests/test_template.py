@@ -50,7 +50,9 @@ def hf_tokenizer() -> Any:
 
 def _hf_ids(tok: Any, messages: list[dict[str, str]], **kwargs: Any) -> list[int]:
     out = tok.apply_chat_template(messages, tokenize=True, add_generation_prompt=True, **kwargs)
-    ids = out["input_ids"] if hasattr(out, "keys") else out  # transformers 5 returns a BatchEncoding
+    ids = (
+        out["input_ids"] if hasattr(out, "keys") else out
+    )  # transformers 5 returns a BatchEncoding
     return list(ids)
 
 

@@ -1,7 +1,7 @@
 """SGLang-compatible simulator: a real HTTP server speaking SGLang's native API.
 
 Tests and demos cannot run SGLang (no GPU), so `datagen sim` stands in for it with the
-same wire format (/work/shared/SGLANG_API.md), continuous-batching timing, deterministic
+same wire format (shared/SGLANG_API.md), continuous-batching timing, deterministic
 outputs, aborts and injectable faults. See `ops.sim.server` for the routes.
 """
 

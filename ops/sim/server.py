@@ -1,16 +1,6 @@
-"""The simulator's aiohttp application, a background-thread runner for tests, and the CLI.
+"""Running the simulator: `SimServer` (background thread, for tests) and the CLI `main`.
 
-Routes (SGLang's wire format, see /work/shared/SGLANG_API.md):
-  POST|PUT /generate, POST /abort_request, GET /health /health_generate /ready,
-  GET /model_info /get_model_info /server_info /get_server_info /v1/models /metrics,
-  GET|POST /flush_cache.
-Simulator-only control routes (not SGLang):
-  GET  /sim/requests   request log (?limit=N, ?rid_prefix=P)
-  GET  /sim/stats      counters: requests, running, waiting, completed, aborted, ...
-  GET  /sim/faults     current faults
-  POST /sim/faults     set any of error_rate, error_status, fail_next, disconnect_rate,
-                       disconnect_next, latency_s, down_for_s, decode_tok_per_s, abort_next
-  POST /sim/reset      clear the log, counters and faults
+The application itself (routes, middleware) is built in `ops.sim.app`.
 """
 
 from __future__ import annotations
@@ -21,86 +11,18 @@ import contextlib
 import logging
 import signal
 import threading
-from collections.abc import Awaitable, Callable
 from dataclasses import fields
 
 from aiohttp import web
 
-from ops.sim import control, info
+from ops.sim.app import start_site
 from ops.sim.config import SimConfig
-from ops.sim.generate import handle_generate
-from ops.sim.responses import drop_connection
 from ops.sim.state import SIM_KEY, SimState
 
 log = logging.getLogger(__name__)
 
-#: Listen backlog: the benchmark opens a few hundred connections at once.
-BACKLOG = 1024
-
-Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
-
-
-@web.middleware
-async def _outage_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
-    """During `down_for_s`, SGLang routes drop the connection (/generate logs it itself)."""
-    path = request.path
-    if path.startswith("/sim/") or path == "/generate":
-        return await handler(request)
-    if request.app[SIM_KEY].injector.faults.is_down():
-        return await drop_connection(request)
-    return await handler(request)
-
-
-def build_app(cfg: SimConfig) -> web.Application:
-    """The aiohttp application for one simulator instance."""
-    app = web.Application(middlewares=[_outage_middleware], client_max_size=64 * 1024**2)
-    sim = SimState(cfg)
-    app[SIM_KEY] = sim
-    r = app.router
-    r.add_post("/generate", handle_generate)
-    r.add_put("/generate", handle_generate)
-    r.add_post("/abort_request", info.handle_abort)
-    for path in ("/health", "/health_generate", "/ready"):
-        r.add_get(path, info.handle_ok)
-    for path in ("/model_info", "/get_model_info"):
-        r.add_get(path, info.handle_model_info)
-    for path in ("/server_info", "/get_server_info"):
-        r.add_get(path, info.handle_server_info)
-    r.add_get("/v1/models", info.handle_models)
-    r.add_get("/metrics", info.handle_metrics)
-    r.add_route("*", "/flush_cache", info.handle_flush_cache)
-    r.add_get("/sim/requests", control.handle_requests)
-    r.add_get("/sim/stats", control.handle_stats)
-    r.add_get("/sim/faults", control.handle_faults_get)
-    r.add_post("/sim/faults", control.handle_faults_post)
-    r.add_post("/sim/reset", control.handle_reset)
-
-    async def _close_log(app: web.Application) -> None:
-        app[SIM_KEY].log.close()
-
-    app.on_cleanup.append(_close_log)
-    return app
-
-
-async def start_site(cfg: SimConfig) -> tuple[web.AppRunner, str]:
-    """Start serving cfg on its host/port; returns the runner and the base URL."""
-    runner = web.AppRunner(
-        build_app(cfg),
-        handle_signals=False,
-        access_log=logging.getLogger("aiohttp.access") if cfg.access_log else None,
-        handler_cancellation=True,  # a client disconnect cancels its handler (aborts)
-        shutdown_timeout=1.0,
-    )
-    await runner.setup()
-    site = web.TCPSite(runner, cfg.host, cfg.port, backlog=BACKLOG, reuse_address=True)
-    try:
-        await site.start()
-    except BaseException:
-        await runner.cleanup()
-        raise
-    addresses = runner.addresses  # tells the port the OS picked when cfg.port is 0
-    port = addresses[0][1] if addresses else cfg.port
-    return runner, f"http://{cfg.host}:{port}"
+#: Upper bound of a clean shutdown (in-flight handlers are cancelled well before).
+SHUTDOWN_TIMEOUT_S = 10.0
 
 
 class SimServer:
@@ -222,21 +144,37 @@ def config_from_args(argv: list[str] | None) -> SimConfig:
     )
 
 
+def _install_stop_signals(stop: asyncio.Event) -> None:
+    """SIGINT/SIGTERM ask for a clean stop; a second one exits at once (exit code 1)."""
+
+    def on_signal() -> None:
+        if stop.is_set():
+            raise SystemExit(1)
+        stop.set()
+
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        with contextlib.suppress(NotImplementedError):
+            loop.add_signal_handler(sig, on_signal)
+
+
 async def _serve_forever(cfg: SimConfig) -> None:
+    stop = asyncio.Event()
+    _install_stop_signals(stop)  # before the startup line: supervisors may signal right away
     runner, url = await start_site(cfg)
     print(  # the one startup line the CLI promises (logging may be silenced)
         f"datagen sim: serving on {url} (simulated SGLang; stands in for a GPU server)",
         flush=True,
     )
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        with contextlib.suppress(NotImplementedError):
-            loop.add_signal_handler(sig, stop.set)
     try:
         await stop.wait()
+        log.info("stop signal received; shutting down")
     finally:
-        await runner.cleanup()
+        try:
+            await asyncio.wait_for(runner.cleanup(), SHUTDOWN_TIMEOUT_S)
+        except TimeoutError:
+            log.warning("shutdown took over %.0f s; exiting anyway", SHUTDOWN_TIMEOUT_S)
+        log.info("stopped")
 
 
 def main(argv: list[str] | None = None) -> int:
