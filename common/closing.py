@@ -22,11 +22,6 @@ from common.store import Store
 log = logging.getLogger(__name__)
 
 
-def stamp_value(name: str, epoch: int) -> str:
-    """The stamp a dataset's tasks carry; reopening bumps the epoch so old revokes miss."""
-    return f"{name}@{epoch}"
-
-
 def after_close(
     name: str,
     *,
@@ -41,8 +36,8 @@ def after_close(
         name, state.close_reason or "manual", closed_at, state.used_at_close or state.used_tokens
     )
     if app is not None:
-        epoch = store.dataset(name).epoch
-        app.control.revoke_by_stamped_headers({STAMP: stamp_value(name, epoch)}, reply=False)
+        stamp = store.dataset(name).stamp
+        app.control.revoke_by_stamped_headers({STAMP: stamp}, reply=False)
     if client is not None and state.policy in ("abort", "exact"):
         rids = ledger.inflight_rids(name)
         for rid in rids:

@@ -40,8 +40,10 @@ datasets = sa.Table(
     sa.Column("tokenizer", sa.String(500), nullable=False),
     sa.Column("template_hash", sa.String(64), nullable=False),
     sa.Column("reasoning_open", sa.String(32)),
-    # Bumped by each reopen, so revokes broadcast at an earlier close miss new tasks.
-    sa.Column("epoch", sa.Integer, nullable=False, server_default="0"),
+    # The value every task of the dataset is stamped with, new at creation and at each
+    # reopen: workers keep revoked stamps in memory for their whole life, so a dataset
+    # reopened (or recreated under the same name) must not match an old revoke.
+    sa.Column("stamp", sa.String(160), nullable=False),
     sa.Column("close_reason", sa.String(16)),
     sa.Column("closed_at", sa.DateTime(timezone=True)),
     sa.Column("used_at_close", sa.BigInteger),

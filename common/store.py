@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import uuid
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
@@ -28,7 +29,7 @@ class DatasetRow:
     close_reason: str | None = None
     closed_at: datetime | None = None
     used_at_close: int | None = None
-    epoch: int = 0
+    stamp: str = ""
 
 
 @dataclass(frozen=True)
@@ -40,6 +41,10 @@ class PromptRow:
     prompt_tokens: int
     max_new_tokens: int
     attempts: int
+
+
+def new_stamp(name: str) -> str:
+    return f"{name}@{uuid.uuid4().hex[:12]}"
 
 
 def as_utc(value: datetime | None) -> datetime | None:
@@ -62,7 +67,7 @@ def _dataset_row(r: sa.Row[Any]) -> DatasetRow:
         close_reason=r.close_reason,
         closed_at=as_utc(r.closed_at),
         used_at_close=r.used_at_close,
-        epoch=int(r.epoch),
+        stamp=r.stamp,
     )
 
 
@@ -91,7 +96,11 @@ class Store:
                 datasets.update().where(datasets.c.name == row.name).values(**values)
             )
             if done.rowcount == 0:
-                conn.execute(datasets.insert().values(name=row.name, state="open", **values))
+                conn.execute(
+                    datasets.insert().values(
+                        name=row.name, state="open", stamp=new_stamp(row.name), **values
+                    )
+                )
 
     def dataset(self, name: str) -> DatasetRow:
         with self.engine.connect() as conn:
@@ -133,7 +142,7 @@ class Store:
                 .where(datasets.c.name == name)
                 .values(
                     state="open",
-                    epoch=datasets.c.epoch + 1,
+                    stamp=new_stamp(name),
                     budget_tokens=budget_tokens,
                     close_reason=None,
                     closed_at=None,

@@ -6,7 +6,7 @@ import argparse
 
 from common.budget import parse_budget_tokens
 from common.celery_app import make_celery
-from common.closing import after_close, stamp_value
+from common.closing import after_close
 from common.errors import ConfigError
 from common.services import connect
 from common.settings import Settings
@@ -40,12 +40,12 @@ def run_reopen(args: argparse.Namespace, settings: Settings) -> int:
         )
     store.record_reopen(ds.name, budget)
     ledger.reopen(ds.name, budget)
-    epoch = store.dataset(ds.name).epoch
+    stamp = store.dataset(ds.name).stamp
     remaining = store.sample_ids(ds.name, "queued")
     publisher = Publisher(make_celery(settings))
     for start in range(0, len(remaining), 1000):
         chunk = remaining[start : start + 1000]
-        publisher.publish(ds.name, stamp_value(ds.name, epoch), chunk)
+        publisher.publish(ds.name, stamp, chunk)
         ledger.mark_pending(ds.name, chunk)
     publisher.announce([ds.name])
     print(f"{ds.name}: reopened with a budget of {budget:,} tokens ({used:,} used); "

@@ -13,7 +13,6 @@ from typing import Any
 
 from celery import Celery
 
-from common.closing import stamp_value
 from common.errors import ConfigError
 from common.ledger import Ledger
 from common.reconcile import reconcile_dataset
@@ -101,7 +100,7 @@ class Enqueuer:
         states = self.store.prompt_states(plan.name)
         pending = self.ledger.pending_ids(plan.name)
         report = ReadReport(dataset=plan.name, files=[str(f) for f in plan.files])
-        stamp = stamp_value(plan.name, ds.epoch)
+        stamp = ds.stamp
         records = read_dataset(plan.name, plan.files, report)
         for chunk in iter(lambda: list(itertools.islice(records, CHUNK)), []):
             to_send = self._store_chunk(plan, chunk, states, pending, summary)

@@ -1,0 +1,119 @@
+"""The Redis ledger's Lua scripts on the real Redis: idempotent charges, one close."""
+
+from __future__ import annotations
+
+import threading
+
+import redis
+
+from common.budget import Budget
+from common.keys import dataset_keys
+from common.ledger import Admission, Charge, Ledger
+
+
+def test_charge_is_idempotent_per_sample(ledger: Ledger) -> None:
+    ledger.configure("ds", Budget(1000))
+    first = ledger.charge("ds", "s1", "r1", 10, 100)
+    again = ledger.charge("ds", "s1", "r2", 10, 100)
+    assert (first.status, again.status) == (Charge.CHARGED, Charge.DUPLICATE)
+    assert ledger.state("ds").used_tokens == 100
+    assert ledger.state("ds").samples == 1
+
+
+def test_total_basis_counts_prompt_tokens(ledger: Ledger) -> None:
+    ledger.configure("ds", Budget(1000, basis="total"))
+    ledger.charge("ds", "s1", "r1", 30, 100)
+    assert ledger.state("ds").used_tokens == 130
+
+
+def test_crossing_closes_and_purges_every_priority_list(
+    ledger: Ledger, redis_client: redis.Redis
+) -> None:
+    ledger.configure("ds", Budget(150))
+    keys = dataset_keys("ds")
+    for q in keys.queue_lists:
+        redis_client.rpush(q, "m1", "m2")
+    assert not ledger.charge("ds", "s1", "r1", 0, 100).crossed
+    crossing = ledger.charge("ds", "s2", "r2", 0, 100)
+    assert crossing.crossed and crossing.purged == 8
+    assert all(redis_client.llen(q) == 0 for q in keys.queue_lists)
+    state = ledger.state("ds")
+    assert (state.state, state.close_reason, state.used_at_close) == ("closed", "budget", 200)
+
+
+def test_crossing_raced_by_many_workers_closes_once(ledger: Ledger) -> None:
+    ledger.configure("ds", Budget(5_000))
+    barrier = threading.Barrier(32)
+    crossings: list[bool] = []
+
+    def charge(i: int) -> None:
+        client = Ledger(redis.Redis(connection_pool=ledger.redis.connection_pool))
+        barrier.wait()
+        for j in range(10):
+            crossings.append(client.charge("ds", f"s{i}-{j}", f"r{i}-{j}", 0, 50).crossed)
+
+    threads = [threading.Thread(target=charge, args=(i,)) for i in range(32)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert crossings.count(True) == 1
+    assert ledger.state("ds").used_tokens == 320 * 50  # drain: in-flight charges still count
+
+
+def test_exact_policy_cuts_the_crossing_sample_and_refuses_the_rest(ledger: Ledger) -> None:
+    ledger.configure("ds", Budget(250, policy="exact"))
+    ledger.charge("ds", "s1", "r1", 0, 200)
+    cut = ledger.charge("ds", "s2", "r2", 0, 200)
+    assert (cut.status, cut.kept_completion_tokens, cut.crossed) == (Charge.CHARGED, 50, True)
+    assert ledger.charge("ds", "s3", "r3", 0, 10).status is Charge.REFUSED
+    assert ledger.state("ds").used_tokens == 250
+
+
+def test_abort_policy_refuses_charges_after_the_close(ledger: Ledger) -> None:
+    ledger.configure("ds", Budget(100, policy="abort"))
+    assert ledger.charge("ds", "s1", "r1", 0, 150).crossed
+    assert ledger.charge("ds", "s2", "r2", 0, 150).status is Charge.REFUSED
+    assert ledger.state("ds").used_tokens == 150
+
+
+def test_admission_waits_when_in_flight_work_fills_the_budget(ledger: Ledger) -> None:
+    ledger.configure("ds", Budget(1000))
+    assert ledger.admit("ds", "r1", 400, 400) is Admission.ADMITTED
+    assert ledger.admit("ds", "r2", 400, 400) is Admission.ADMITTED
+    assert ledger.admit("ds", "r3", 400, 400) is Admission.WAIT
+    ledger.release("ds", "r2")  # a request that ended without a result frees its room
+    assert ledger.admit("ds", "r3", 400, 400) is Admission.ADMITTED
+    ledger.charge("ds", "s1", "r1", 0, 100)  # finished short: room for more
+    assert ledger.state("ds").reserved_tokens == 400
+    assert ledger.admit("ds", "r4", 400, 400) is Admission.ADMITTED
+
+
+def test_admission_is_refused_once_closed_and_unknown_without_terms(ledger: Ledger) -> None:
+    assert ledger.admit("nothing", "r1", 10, 10) is Admission.UNKNOWN
+    ledger.configure("ds", Budget(1000))
+    ledger.close("ds", "manual")
+    assert ledger.admit("ds", "r1", 10, 10) is Admission.CLOSED
+
+
+def test_configure_below_used_closes_at_once(ledger: Ledger) -> None:
+    ledger.configure("ds", Budget(1000))
+    ledger.charge("ds", "s1", "r1", 0, 600)
+    assert not ledger.configure("ds", Budget(700)).closed_now
+    assert ledger.configure("ds", Budget(500)).closed_now
+    assert ledger.is_closed("ds")
+
+
+def test_absorb_adds_only_what_the_ledger_lacks(ledger: Ledger) -> None:
+    ledger.configure("ds", Budget(10_000))
+    ledger.charge("ds", "s1", "r1", 0, 100)
+    added = ledger.absorb("ds", [("s1", 100), ("s2", 200), ("s3", 300)])
+    assert added == 500
+    assert ledger.state("ds").used_tokens == 600
+    assert ledger.absorb("ds", [("s2", 200)]) == 0
+
+
+def test_recharge_reprices_a_sample(ledger: Ledger) -> None:
+    ledger.configure("ds", Budget(10_000))
+    ledger.charge("ds", "s1", "r1", 0, 100)
+    assert ledger.recharge("ds", "s1", 130) == 130

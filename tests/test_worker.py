@@ -1,0 +1,95 @@
+"""The worker against the simulator: duplicates, permanent and transient errors."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import requests
+
+from common.celery_app import make_celery
+from common.errors import IncompatibleServer
+from common.ledger import Ledger
+from common.settings import Settings
+from common.sglang_client import parse_completion
+from common.store import Store
+from producer.publish import Publisher
+from tests.helpers import assert_invariants, enqueue_paths, running_worker, wait_settled
+from tests.test_pipeline_e2e import write_dataset
+
+
+def sim_log(sim: str) -> list[dict]:
+    return requests.get(f"{sim}/sim/requests", timeout=5).json()
+
+
+def test_same_message_delivered_twice_stores_and_counts_once(
+    settings: Settings, store: Store, ledger: Ledger, sim: str, tmp_path: Path
+) -> None:
+    enqueue_paths(settings, [str(write_dataset(tmp_path, "twice", 3))])
+    publisher = Publisher(make_celery(settings))
+    for _ in range(2):  # the same (dataset, sample_id) published twice more
+        publisher.publish("twice", store.dataset("twice").stamp, ["twice-0", "twice-1", "twice-2"])
+    with running_worker(settings, concurrency=8):
+        wait_settled(store, ["twice"])
+        used = ledger.state("twice").used_tokens
+    assert_invariants(store, ledger, ["twice"])
+    assert store.prompt_counts("twice") == {"done": 3}
+    assert used == store.used_tokens("twice", store.dataset("twice").budget)
+
+
+def test_a_400_is_recorded_and_not_retried(
+    settings: Settings, store: Store, ledger: Ledger, sim: str, tmp_path: Path
+) -> None:
+    # The simulator's context is 32,768 tokens; asking for 32,767 new ones overflows it.
+    enqueue_paths(settings, [str(write_dataset(tmp_path, "toolong", 1))],
+                  max_new_tokens=32_767, max_seq_len=40_000)
+    with running_worker(settings, concurrency=2):
+        wait_settled(store, ["toolong"])
+    prompt = store.prompt("toolong", "toolong-0")
+    assert prompt is not None and prompt.state == "failed" and prompt.attempts == 1
+    assert len(sim_log(sim)) == 1
+    with store.engine.connect() as conn:
+        error = conn.exec_driver_sql("SELECT error FROM prompts").scalar()
+    assert "HTTP 400" in error and "maximum context length" in error
+    assert_invariants(store, ledger, ["toolong"])
+
+
+def test_a_5xx_is_retried_then_succeeds(
+    settings: Settings, store: Store, ledger: Ledger, sim: str, tmp_path: Path
+) -> None:
+    requests.post(f"{sim}/sim/faults", json={"fail_next": 2, "error_status": 500},
+                  timeout=5).raise_for_status()
+    enqueue_paths(settings, [str(write_dataset(tmp_path, "flaky", 1))])
+    with running_worker(settings, concurrency=2):
+        wait_settled(store, ["flaky"])
+    prompt = store.prompt("flaky", "flaky-0")
+    assert prompt is not None and (prompt.state, prompt.attempts) == ("done", 2)
+    assert [r["status"] for r in sim_log(sim)] == [500, 500, 200]
+    assert_invariants(store, ledger, ["flaky"])
+
+
+def test_retries_are_bounded_and_the_last_error_kept(
+    settings: Settings, store: Store, ledger: Ledger, sim: str, tmp_path: Path
+) -> None:
+    requests.post(f"{sim}/sim/faults", json={"fail_next": 50, "error_status": 503},
+                  timeout=5).raise_for_status()
+    enqueue_paths(settings, [str(write_dataset(tmp_path, "down", 1))])
+    with running_worker(settings, concurrency=2):
+        wait_settled(store, ["down"])
+    prompt = store.prompt("down", "down-0")
+    assert prompt is not None and (prompt.state, prompt.attempts) == ("failed", 3)
+    assert len(sim_log(sim)) == settings.max_attempts
+    assert ledger.state("down").used_tokens == 0
+
+
+@pytest.mark.parametrize(
+    ("body", "needle"),
+    [
+        ({"text": "hi", "meta_info": {"completion_tokens": 2}}, "no output_ids"),
+        ({"output_ids": [1, 2, 3], "meta_info": {"completion_tokens": 2}}, "0.5.4"),
+    ],
+)
+def test_incompatible_servers_are_named(body: dict, needle: str) -> None:
+    with pytest.raises(IncompatibleServer, match=needle) as err:
+        parse_completion(body, "rid", "http://old:30000")
+    assert "SGLang >= 0.5.5" in str(err.value)
