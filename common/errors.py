@@ -7,6 +7,7 @@
     ├── ServiceUnavailable     Redis or the database does not answer
     └── GenerationError        one /generate call went wrong
         ├── TransientError     worth retrying after ``delay_s`` (timeouts, 5xx, 503 queue full)
+        │   └── ServerUnreachable  no connection at all: the server, not the sample, is at fault
         └── PermanentError     retrying cannot help (4xx, malformed response)
             └── IncompatibleServer   the server lacks output_ids or miscounts them
 """
@@ -51,6 +52,10 @@ class TransientError(GenerationError):
     ) -> None:
         super().__init__(message, server=server, status=status)
         self.delay_s = delay_s
+
+
+class ServerUnreachable(TransientError):
+    """Retried without counting against the sample's attempts: a restart must not fail it."""
 
 
 class PermanentError(GenerationError):

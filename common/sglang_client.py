@@ -13,7 +13,12 @@ from typing import Any
 
 import requests
 
-from common.errors import IncompatibleServer, PermanentError, TransientError
+from common.errors import (
+    IncompatibleServer,
+    PermanentError,
+    ServerUnreachable,
+    TransientError,
+)
 
 NEEDED_VERSION = "SGLang >= 0.5.5"
 RETRYABLE_STATUS = {408, 429, 500, 502, 503, 504}
@@ -43,6 +48,12 @@ def _error_message(resp: requests.Response) -> str:
     if isinstance(err, dict):
         err = err.get("message", err)
     return str(err)[:1000]
+
+
+def _refused(exc: requests.ConnectionError) -> bool:
+    """Nothing listens (or resolves): the request never reached the server."""
+    text = str(exc)
+    return "NewConnectionError" in text or "NameResolutionError" in text
 
 
 def parse_completion(body: Any, rid: str, server: str) -> Completion:
@@ -123,9 +134,13 @@ class SGLangClient:
         }
         try:
             resp = self._session().post(f"{server}/generate", json=payload, timeout=self.timeout)
+        except requests.ConnectTimeout as exc:
+            raise ServerUnreachable(f"{server}: connect timed out", server=server) from exc
         except requests.Timeout as exc:
             raise TransientError(f"{server}: timed out ({exc})", server=server) from exc
         except requests.ConnectionError as exc:
+            if _refused(exc):
+                raise ServerUnreachable(f"{server}: connection refused", server=server) from exc
             raise TransientError(f"{server}: connection failed ({exc})", server=server) from exc
         if resp.status_code in RETRYABLE_STATUS:
             raise TransientError(

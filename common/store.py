@@ -197,14 +197,15 @@ class Store:
             return None
         return PromptRow(dataset, sample_id, r[0], r[1], r[2], r[3], r[4])
 
-    def record_attempt(self, dataset: str, sample_id: str, error: str) -> int:
-        """Count one failed attempt with its error; returns the attempts so far."""
+    def record_attempt(self, dataset: str, sample_id: str, error: str, count: bool = True) -> int:
+        """Record a failed attempt's error, counted unless ``count`` is False; returns attempts."""
         where = (prompts.c.dataset == dataset, prompts.c.sample_id == sample_id)
+        attempts = prompts.c.attempts + 1 if count else prompts.c.attempts
         with self.engine.begin() as conn:
             conn.execute(
                 prompts.update()
                 .where(*where)
-                .values(attempts=prompts.c.attempts + 1, error=error[:4000], updated_at=utcnow())
+                .values(attempts=attempts, error=error[:4000], updated_at=utcnow())
             )
             return int(conn.scalar(sa.select(prompts.c.attempts).where(*where)) or 0)
 

@@ -56,6 +56,11 @@ def build_parser() -> argparse.ArgumentParser:
     ro = sub.add_parser("reopen", help="raise a closed dataset's budget and enqueue the rest")
     ro.add_argument("name")
     ro.add_argument("--budget-tokens", required=True)
+    from ops.export import add_export_parser
+    from ops.validate import add_validate_parser
+
+    add_export_parser(sub)
+    add_validate_parser(sub)
     d = sub.add_parser("demo", help="the whole job on embedded defaults: simulator, SQLite")
     d.add_argument("--workers", type=int, default=1)
     d.add_argument("--concurrency", type=int, default=32)
@@ -79,6 +84,14 @@ def dispatch(args: argparse.Namespace, settings: Settings) -> int:
         from ops.status import run_status
 
         return run_status(args, settings)
+    if args.command == "export":
+        from ops.export import run_export
+
+        return run_export(args, settings)
+    if args.command == "validate":
+        from ops.validate import run_validate
+
+        return run_validate(args, settings)
     if args.command in ("purge", "reopen"):
         from ops import admin
 
@@ -90,6 +103,12 @@ def dispatch(args: argparse.Namespace, settings: Settings) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["sim"]:
+        # The simulator owns its flags; argparse's REMAINDER would reject a leading --flag.
+        from ops.sim import main as sim_main
+
+        return sim_main(argv[1:])
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     try:

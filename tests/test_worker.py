@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import pytest
@@ -14,6 +15,7 @@ from common.settings import Settings
 from common.sglang_client import parse_completion
 from common.store import Store
 from producer.publish import Publisher
+from tests.conftest import make_settings
 from tests.helpers import assert_invariants, enqueue_paths, running_worker, wait_settled
 from tests.test_pipeline_e2e import write_dataset
 
@@ -93,3 +95,22 @@ def test_incompatible_servers_are_named(body: dict, needle: str) -> None:
     with pytest.raises(IncompatibleServer, match=needle) as err:
         parse_completion(body, "rid", "http://old:30000")
     assert "SGLang >= 0.5.5" in str(err.value)
+
+
+def test_a_server_down_then_back_fails_nothing(
+    sqlite_url: str, redis_client: object, tmp_path: Path
+) -> None:
+    from ops.localredis import free_port
+    from ops.sim import SimConfig, SimServer
+
+    port = free_port()  # nothing listens here yet: connections are refused
+    settings = make_settings(sqlite_url, f"http://127.0.0.1:{port}", max_attempts=2,
+                             retry_base_s=0.2, retry_max_s=0.5)
+    enqueue_paths(settings, [str(write_dataset(tmp_path, "outage", 6))])
+    store = Store(settings.database_url)
+    with running_worker(settings, concurrency=4):
+        time.sleep(2.5)  # several refused tries per sample, more than max_attempts
+        assert store.prompt_counts("outage") == {"queued": 6}
+        with SimServer(SimConfig(port=port, decode_tok_per_s=0)):
+            wait_settled(store, ["outage"], timeout_s=30)
+    assert store.prompt_counts("outage") == {"done": 6}

@@ -8,7 +8,7 @@ import random
 from celery import Celery, Task
 
 from common.celery_app import GENERATE_TASK
-from common.errors import PermanentError, TransientError
+from common.errors import PermanentError, ServerUnreachable, TransientError
 from common.settings import Settings
 from workers.context import WorkerContext, get_context
 from workers.pipeline import Outcome, run_sample
@@ -16,6 +16,8 @@ from workers.pipeline import Outcome, run_sample
 log = logging.getLogger(__name__)
 # How long a task waits for its dataset's in-flight requests when admission says "wait".
 ADMISSION_WAIT_S = 2.0
+# A server that refuses connections is retried at a steady, capped pace until it is back.
+UNREACHABLE_BACKOFF_STEP = 4
 
 
 def backoff_s(settings: Settings, attempt: int, hint_s: float = 0.0) -> float:
@@ -30,6 +32,12 @@ def register_tasks(app: Celery, settings: Settings) -> Task:
         ctx = get_context(app)
         try:
             outcome = run_sample(ctx, dataset, sample_id)
+        except ServerUnreachable as exc:
+            attempts = ctx.store.record_attempt(dataset, sample_id, str(exc), count=False)
+            delay = backoff_s(settings, UNREACHABLE_BACKOFF_STEP)
+            log.warning("%s/%s: %s; retry in %.1fs (not counted as an attempt)",
+                        dataset, sample_id, exc, delay)
+            raise self.retry(countdown=delay) from None
         except TransientError as exc:
             attempts = ctx.store.record_attempt(dataset, sample_id, str(exc))
             if attempts >= settings.max_attempts:

@@ -1,0 +1,203 @@
+"""``datagen export``: stored results as training files, one per dataset, plus a manifest.
+
+    datagen export --format specforge|speculators|parquet --out DIR [--dataset NAME ...]
+
+Writes ``DIR/<dataset>.specforge.jsonl`` (or ``.speculators.jsonl``, ``.parquet``) and
+``DIR/manifest.json``. Memory stays flat in the number of results: rows stream from SQL
+in batches and go to the file one by one. Each dataset is read up to the newest result
+present when its export starts, so workers may keep running; the manifest records that
+bound and ``datagen validate`` checks against it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from collections import Counter
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+from common.console import make_console
+from common.errors import ConfigError
+from common.services import safe_url
+from common.settings import Settings
+from common.store import DatasetRow, Store
+from ops.export_formats import (
+    FORMATS,
+    REASONS,
+    Builder,
+    LeftOut,
+    builder_notes,
+    make_builder,
+    output_file,
+)
+from ops.export_io import Sink, open_sink
+from ops.export_rows import ExportRow, count_results, iter_rows, snapshot_id
+
+MANIFEST = "manifest.json"
+MANIFEST_VERSION = 1
+MAX_EXAMPLES = 20
+
+
+def add_export_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    p = sub.add_parser("export", help="write stored results as training files, per dataset")
+    p.add_argument("--format", required=True, choices=FORMATS, dest="format")
+    p.add_argument("--out", required=True, help="directory to write into (created if absent)")
+    p.add_argument("--dataset", action="extend", nargs="+", dest="datasets", metavar="NAME",
+                   help="only these datasets (default: all)")
+    return p
+
+
+@dataclass
+class DatasetExport:
+    """What one dataset's export wrote and what it left out, as the manifest records it."""
+
+    name: str
+    file: str
+    results: int
+    upto_result_id: int
+    reasoning_open: str | None
+    exported: int = 0
+    left_out: Counter[str] = field(default_factory=Counter)
+    examples: list[dict[str, str]] = field(default_factory=list)
+    notes: dict[str, str] = field(default_factory=dict)
+
+    def leave_out(self, sample_id: str, why: LeftOut) -> None:
+        self.left_out[why.reason] += 1
+        if len(self.examples) < MAX_EXAMPLES:
+            self.examples.append({"sample_id": sample_id, "reason": why.reason,
+                                  "detail": why.detail})
+
+    def as_manifest(self) -> dict[str, Any]:
+        return {
+            "file": self.file,
+            "results": self.results,
+            "exported": self.exported,
+            "left_out": dict(sorted(self.left_out.items())),
+            "left_out_total": sum(self.left_out.values()),
+            "left_out_examples": self.examples,
+            "upto_result_id": self.upto_result_id,
+            "reasoning_open": self.reasoning_open,
+            **self.notes,
+        }
+
+
+def write_rows(
+    rows: Iterable[ExportRow], builder: Builder, sink: Sink, stats: DatasetExport,
+    on_row: Callable[[], None] = lambda: None,
+) -> None:
+    """Build and write each row as it arrives: nothing here holds more than one row."""
+    for row in rows:
+        built = builder.build(row)
+        if isinstance(built, LeftOut):
+            stats.leave_out(row.sample_id, built)
+        else:
+            sink.write(built)
+            stats.exported += 1
+        on_row()
+
+
+def export_dataset(
+    store: Store, ds: DatasetRow, fmt: str, out: Path, progress: Progress
+) -> DatasetExport:
+    upto = snapshot_id(store, ds.name)
+    path = output_file(out, ds.name, fmt)
+    stats = DatasetExport(ds.name, path.name, count_results(store, ds.name, upto), upto,
+                          ds.reasoning_open)
+    builder = make_builder(fmt, ds)
+    stats.notes.update(builder_notes(builder))
+    task = progress.add_task(ds.name, total=stats.results)
+    with open_sink(fmt, path) as sink:
+        write_rows(iter_rows(store, ds.name, upto), builder, sink, stats,
+                   lambda: progress.advance(task))
+        sink.commit()
+    return stats
+
+
+def prepare_out(out: Path) -> None:
+    if out.exists() and not out.is_dir():
+        raise ConfigError(f"--out {out} exists and is not a directory")
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        # A stale manifest must not describe the files this export is about to replace.
+        (out / MANIFEST).unlink(missing_ok=True)
+    except OSError as exc:
+        raise ConfigError(f"--out {out}: cannot write there ({exc.strerror or exc})") from None
+
+
+def select_datasets(store: Store, names: list[str] | None) -> list[DatasetRow]:
+    """All datasets, or the named ones in the order given; UnknownDatasetError otherwise."""
+    if not names:
+        return store.datasets()
+    return [store.dataset(name) for name in dict.fromkeys(names)]
+
+
+def manifest(fmt: str, database_url: str, stats: list[DatasetExport]) -> dict[str, Any]:
+    used = sorted({reason for s in stats for reason in s.left_out})
+    return {
+        "datagen_export": MANIFEST_VERSION,
+        "format": fmt,
+        "created_at": datetime.now(UTC).isoformat().replace("+00:00", "Z"),
+        "database_url": safe_url(database_url),
+        "datasets": {s.name: s.as_manifest() for s in stats},
+        "totals": {
+            "results": sum(s.results for s in stats),
+            "exported": sum(s.exported for s in stats),
+            "left_out": sum(sum(s.left_out.values()) for s in stats),
+        },
+        "reasons": {reason: REASONS[reason] for reason in used},
+    }
+
+
+def write_manifest(out: Path, doc: dict[str, Any]) -> Path:
+    path = out / MANIFEST
+    temp = out / f".{MANIFEST}.partial"
+    temp.write_text(json.dumps(doc, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
+    os.replace(temp, path)
+    return path
+
+
+def summary_lines(fmt: str, out: Path, stats: list[DatasetExport]) -> list[str]:
+    lines = [f"exported {fmt} to {out} ({MANIFEST} describes it)"]
+    if not stats:
+        lines.append("  no datasets in the database yet: nothing to export")
+    for s in stats:
+        left = sum(s.left_out.values())
+        line = f"  {s.name}: {s.exported:,} exported, {left:,} left out"
+        if s.results == 0:
+            line += " (no results stored yet)"
+        lines.append(line + f" -> {s.file}")
+        for reason, n in sorted(s.left_out.items()):
+            lines.append(f"      {n:,} {reason}: {REASONS[reason]}")
+        if fmt == "specforge" and s.exported == 0:
+            lines.append("      note: the file has no rows; SpecForge's checker rejects an "
+                         "empty file")
+        if "text" in s.notes and s.notes["text"].startswith("omitted"):
+            lines.append(f"      note: text {s.notes['text']}")
+    return lines
+
+
+def _progress() -> Progress:
+    console = make_console(stderr=True)
+    return Progress(
+        TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+        TimeElapsedColumn(), console=console, disable=not console.is_terminal,
+    )
+
+
+def run_export(args: argparse.Namespace, settings: Settings) -> int:
+    out = Path(args.out)
+    store = Store(settings.database_url)
+    datasets = select_datasets(store, args.datasets)
+    prepare_out(out)
+    with _progress() as progress:
+        stats = [export_dataset(store, ds, args.format, out, progress) for ds in datasets]
+    write_manifest(out, manifest(args.format, settings.database_url, stats))
+    print("\n".join(summary_lines(args.format, out, stats)))
+    return 0

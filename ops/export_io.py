@@ -1,0 +1,158 @@
+"""Writing and reading export files, one record at a time.
+
+Writers hold at most one parquet row group (``BATCH_ROWS`` rows) in memory; JSONL is
+written line by line. Each file is written under a temporary name and moved into place
+only when complete, so an interrupted export never leaves a truncated file under the
+real name.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterator
+from pathlib import Path
+from types import TracebackType
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from ops.export_rows import BATCH_ROWS
+
+IDS = pa.list_(pa.int32())
+PARQUET_SCHEMA = pa.schema([
+    pa.field("id", pa.int64(), nullable=False),
+    pa.field("dataset", pa.string(), nullable=False),
+    pa.field("sample_id", pa.string(), nullable=False),
+    pa.field("rid", pa.string(), nullable=False),
+    pa.field("prompt_tokens", pa.int32(), nullable=False),
+    pa.field("completion_tokens", pa.int32(), nullable=False),
+    pa.field("cached_tokens", pa.int32(), nullable=False),
+    pa.field("reasoning_tokens", pa.int32(), nullable=False),
+    pa.field("finish_reason", pa.string(), nullable=False),
+    pa.field("finish_detail", pa.string()),  # JSON text
+    pa.field("output_ids", IDS, nullable=False),
+    pa.field("output_text", pa.string(), nullable=False),
+    pa.field("e2e_latency_s", pa.float64()),
+    pa.field("server", pa.string(), nullable=False),
+    pa.field("model", pa.string(), nullable=False),
+    pa.field("created_at", pa.timestamp("us", tz="UTC"), nullable=False),
+    pa.field("input_ids", IDS),  # joined from prompts; null if the prompt row is gone
+])
+
+
+def _temp_path(path: Path) -> Path:
+    return path.with_name(f".{path.name}.partial")
+
+
+class Sink:
+    """Append records to ``path``; ``commit`` moves the finished file into place."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.temp = _temp_path(path)
+        self.written = 0
+
+    def write(self, record: dict[str, Any]) -> None:
+        self._write(record)
+        self.written += 1
+
+    def _write(self, record: dict[str, Any]) -> None:
+        raise NotImplementedError
+
+    def _close(self) -> None:
+        raise NotImplementedError
+
+    def commit(self) -> None:
+        self._close()
+        os.replace(self.temp, self.path)
+
+    def __enter__(self) -> Sink:
+        return self
+
+    def __exit__(
+        self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        if kind is not None:
+            self._close()
+            self.temp.unlink(missing_ok=True)
+
+
+class JsonlSink(Sink):
+    def __init__(self, path: Path) -> None:
+        super().__init__(path)
+        self._fh = self.temp.open("w", encoding="utf-8")
+
+    def _write(self, record: dict[str, Any]) -> None:
+        self._fh.write(json.dumps(record, ensure_ascii=False, separators=(",", ":")) + "\n")
+
+    def _close(self) -> None:
+        self._fh.close()
+
+
+class ParquetSink(Sink):
+    """Rows buffered into row groups of ``BATCH_ROWS``; an empty file still has the schema."""
+
+    def __init__(self, path: Path) -> None:
+        super().__init__(path)
+        self._writer: pq.ParquetWriter | None = pq.ParquetWriter(self.temp, PARQUET_SCHEMA)
+        self._rows: list[dict[str, Any]] = []
+
+    def _write(self, record: dict[str, Any]) -> None:
+        self._rows.append(record)
+        if len(self._rows) >= BATCH_ROWS:
+            self._flush()
+
+    def _flush(self) -> None:
+        if self._rows and self._writer is not None:
+            batch = pa.RecordBatch.from_pylist(self._rows, schema=PARQUET_SCHEMA)
+            self._writer.write_batch(batch, row_group_size=BATCH_ROWS)
+            self._rows.clear()
+
+    def _close(self) -> None:
+        if self._writer is not None:
+            self._flush()
+            self._writer.close()
+            self._writer = None
+
+
+def open_sink(fmt: str, path: Path) -> Sink:
+    return ParquetSink(path) if fmt == "parquet" else JsonlSink(path)
+
+
+def read_jsonl(path: Path) -> Iterator[tuple[str, dict[str, Any] | str]]:
+    """(where, record) per non-blank line; ``record`` is the error text of a bad line."""
+    with path.open(encoding="utf-8") as fh:
+        for lineno, line in enumerate(fh, start=1):
+            if not line.strip():
+                continue
+            where = f"line {lineno}"
+            try:
+                obj = json.loads(line)
+            except ValueError as exc:
+                yield where, f"invalid JSON: {exc}"
+                continue
+            yield where, obj if isinstance(obj, dict) else "expected a JSON object"
+
+
+def read_parquet(path: Path) -> Iterator[tuple[str, dict[str, Any] | str]]:
+    """(where, row) per row, a row group at a time; a wrong schema is one error."""
+    try:
+        parquet = pq.ParquetFile(path)
+    except (OSError, pa.ArrowException) as exc:
+        yield "file", f"not a readable parquet file: {exc}"
+        return
+    with parquet:
+        if not parquet.schema_arrow.equals(PARQUET_SCHEMA):
+            yield "file", f"schema differs from datagen's: {parquet.schema_arrow}"
+            return
+        n = 0
+        for batch in parquet.iter_batches(batch_size=BATCH_ROWS):
+            for row in batch.to_pylist():
+                n += 1
+                yield f"row {n}", row
+
+
+def read_records(fmt: str, path: Path) -> Iterator[tuple[str, dict[str, Any] | str]]:
+    return read_parquet(path) if fmt == "parquet" else read_jsonl(path)

@@ -1,0 +1,114 @@
+"""The rows an export reads from SQL: each stored result joined with its prompt, streamed.
+
+Export and validate both read through here, so both see the same rows in the same order.
+Memory stays flat in the number of results: rows come off a server-side cursor
+(``yield_per``, which implies ``stream_results`` on PostgreSQL) a batch at a time, and
+callers consume them one by one.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any
+
+import sqlalchemy as sa
+
+from common.schema import prompts, results
+from common.store import Store, as_utc
+
+BATCH_ROWS = 1000
+# Lookups by sample id stay under SQLite's historical 999 bound-parameter limit.
+LOOKUP_CHUNK = 500
+
+
+@dataclass(frozen=True)
+class ExportRow:
+    """One stored result, with the prompt it answered (None when the prompt row is gone)."""
+
+    id: int
+    dataset: str
+    sample_id: str
+    rid: str
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int
+    reasoning_tokens: int
+    finish_reason: str
+    finish_detail: Any
+    output_ids: list[int]
+    output_text: str
+    e2e_latency_s: float | None
+    server: str
+    model: str
+    created_at: datetime
+    messages: list[dict[str, Any]] | None
+    input_ids: list[int] | None
+    max_new_tokens: int | None
+
+
+RESULT_COLUMNS: tuple[str, ...] = tuple(c.name for c in results.columns)
+
+
+def _select() -> sa.Select[Any]:
+    # A LEFT JOIN: a result whose prompt row is missing must still be seen and accounted.
+    return sa.select(
+        results,
+        prompts.c.messages,
+        prompts.c.input_ids,
+        prompts.c.max_new_tokens,
+    ).select_from(
+        results.outerjoin(
+            prompts,
+            sa.and_(prompts.c.dataset == results.c.dataset,
+                    prompts.c.sample_id == results.c.sample_id),
+        )
+    )
+
+
+def _row(r: sa.Row[Any]) -> ExportRow:
+    values = r._asdict()
+    values["created_at"] = as_utc(values["created_at"])
+    return ExportRow(**values)
+
+
+def snapshot_id(store: Store, dataset: str) -> int:
+    """The newest result id of ``dataset`` now: the export reads up to it and no further,
+    so results stored while it runs neither half-appear nor upset validate later."""
+    q = sa.select(sa.func.max(results.c.id)).where(results.c.dataset == dataset)
+    with store.engine.connect() as conn:
+        return int(conn.scalar(q) or 0)
+
+
+def count_results(store: Store, dataset: str, upto_id: int) -> int:
+    q = sa.select(sa.func.count()).where(results.c.dataset == dataset, results.c.id <= upto_id)
+    with store.engine.connect() as conn:
+        return int(conn.scalar(q) or 0)
+
+
+def iter_rows(store: Store, dataset: str, upto_id: int) -> Iterator[ExportRow]:
+    """Every result of ``dataset`` up to ``upto_id``, oldest first, streamed in batches."""
+    q = (
+        _select()
+        .where(results.c.dataset == dataset, results.c.id <= upto_id)
+        .order_by(results.c.id)
+    )
+    with store.engine.connect() as conn:
+        stream = conn.execution_options(yield_per=BATCH_ROWS).execute(q)
+        for r in stream:
+            yield _row(r)
+
+
+def lookup_rows(store: Store, dataset: str, sample_ids: Sequence[str]) -> dict[str, ExportRow]:
+    """The results of these sample ids (those stored), keyed by sample id."""
+    found: dict[str, ExportRow] = {}
+    unique = list(dict.fromkeys(sample_ids))
+    with store.engine.connect() as conn:
+        for start in range(0, len(unique), LOOKUP_CHUNK):
+            chunk = unique[start : start + LOOKUP_CHUNK]
+            q = _select().where(results.c.dataset == dataset, results.c.sample_id.in_(chunk))
+            for r in conn.execute(q):
+                row = _row(r)
+                found[row.sample_id] = row
+    return found
