@@ -27,6 +27,10 @@ test: $(STAMP)
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 
+## docker-compose.yml as Compose reads it (needs Debian's docker-compose, no engine).
+compose-check:
+	docker-compose --env-file .env.example -f docker-compose.yml config -q
+
 typecheck: $(STAMP)
 	$(PY) -m mypy
 

@@ -232,7 +232,9 @@ class Store:
     def save_result(self, row: dict[str, Any]) -> bool:
         """Store one result and mark its prompt done, atomically; False if it already existed."""
         with self.engine.begin() as conn:
-            inserted = conn.execute(insert_ignore(self.engine, results), [row]).rowcount
+            # RETURNING, not rowcount: psycopg reports -1 for ON CONFLICT DO NOTHING.
+            stmt = insert_ignore(self.engine, results).returning(results.c.id)
+            inserted = len(conn.execute(stmt, row).all())
             conn.execute(
                 prompts.update()
                 .where(prompts.c.dataset == row["dataset"], prompts.c.sample_id == row["sample_id"])

@@ -46,8 +46,8 @@ def build_parser() -> argparse.ArgumentParser:
     w.add_argument("--concurrency", "-c", type=int, help="requests in flight (default 64)")
     w.add_argument("--loglevel", default="INFO")
     w.add_argument("--hostname", "-n", help="worker name (default datagen@<host>)")
-    s = sub.add_parser("sim", help="run the SGLang-compatible simulator", add_help=False)
-    s.add_argument("sim_args", nargs=argparse.REMAINDER)
+    sub.add_parser("sim", help="run the SGLang-compatible simulator (datagen sim --help)")
+    sub.add_parser("healthcheck", help="exit 0 when healthy: worker | sglang [--wait S] | http URL")
     st = sub.add_parser("status", help="per-dataset progress from Redis and SQL")
     st.add_argument("--json", action="store_true")
     st.add_argument("--watch", action="store_true", help="redraw every 2 s until Ctrl-C")
@@ -76,10 +76,6 @@ def dispatch(args: argparse.Namespace, settings: Settings) -> int:
         from workers.command import run_worker
 
         return run_worker(args)
-    if args.command == "sim":
-        from ops.sim import main as sim_main
-
-        return sim_main(args.sim_args)
     if args.command == "status":
         from ops.status import run_status
 
@@ -105,10 +101,14 @@ def dispatch(args: argparse.Namespace, settings: Settings) -> int:
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["sim"]:
-        # The simulator owns its flags; argparse's REMAINDER would reject a leading --flag.
+        # These own their flags; argparse's REMAINDER would reject a leading --flag.
         from ops.sim import main as sim_main
 
         return sim_main(argv[1:])
+    if argv[:1] == ["healthcheck"]:
+        from ops.healthcheck import main as healthcheck_main
+
+        return healthcheck_main(argv[1:])
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     try:

@@ -12,7 +12,7 @@ from typing import Any
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from common.budget import DEFAULT_BUDGET_TOKENS, Budget, parse_budget_tokens
+from common.budget import Budget, parse_budget_tokens
 from common.celery_app import make_celery
 from common.console import make_console
 from common.errors import ConfigError
@@ -47,8 +47,8 @@ def _template_kwargs(raw: str) -> dict[str, Any]:
     return value
 
 
-def build_plans(args: argparse.Namespace) -> list[DatasetPlan]:
-    tokens = parse_budget_tokens(args.budget_tokens or DEFAULT_BUDGET_TOKENS)
+def build_plans(args: argparse.Namespace, settings: Settings) -> list[DatasetPlan]:
+    tokens = parse_budget_tokens(args.budget_tokens or settings.default_budget_tokens)
     budget = Budget(tokens, args.budget_basis, args.policy)
     if args.max_new_tokens <= 0 or args.max_seq_len <= 1:
         raise ConfigError("--max-new-tokens and --max-seq-len must be positive")
@@ -60,7 +60,7 @@ def build_plans(args: argparse.Namespace) -> list[DatasetPlan]:
 
 
 def run_enqueue(args: argparse.Namespace, settings: Settings) -> int:
-    plans = build_plans(args)
+    plans = build_plans(args, settings)
     tokenizer = args.tokenizer or settings.tokenizer or str(BUNDLED_TOKENIZER)
     templater = ChatTemplater(tokenizer, _template_kwargs(args.chat_template_kwargs))
     store, ledger = connect(settings)
