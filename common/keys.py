@@ -18,9 +18,12 @@ No other module spells a key string; tests import these functions too.
         used_at_close  ``used`` when the close happened
     datagen:ds:{name}:charged             hash    Lua only: sample_id -> tokens    none
     datagen:ds:{name}:inflight            hash    Lua only: rid -> expected tokens none
-    datagen:ds:{name}:pending             set     producer adds, workers remove    none
-                                                  (sample ids queued or running)
-    datagen:workers                       zset    workers: hostname -> heartbeat  none
+    datagen:workers                       zset    workers: name -> last heartbeat none
+    datagen:worker:{name}:tags            set     that worker: delivery tags of   none
+                                                  the messages it holds unacked
+    datagen:reaper                        string  the worker reaping dead ones    20 s
+    datagen:sweeper                       string  the worker re-enqueueing lost    5 min
+                                                  prompts (SQL queued, not in Redis)
     datagen.q.{name} (+ kombu's \\x06\\x16{3,6,9} priority lists)
                                           list    kombu (Celery's Redis transport)
 """
@@ -34,6 +37,8 @@ from common.names import validate_dataset_name
 PREFIX = "datagen"
 DATASETS = f"{PREFIX}:datasets"
 WORKERS = f"{PREFIX}:workers"
+REAPER_LOCK = f"{PREFIX}:reaper"
+SWEEPER_LOCK = f"{PREFIX}:sweeper"
 QUEUE_PREFIX = f"{PREFIX}.q."
 
 # kombu's Redis transport keeps one list per priority step: the bare queue name for
@@ -50,7 +55,6 @@ class DatasetKeys:
     ledger: str
     charged: str
     inflight: str
-    pending: str
     queue: str
 
     @property
@@ -66,9 +70,12 @@ def dataset_keys(name: str) -> DatasetKeys:
         ledger=f"{base}:ledger",
         charged=f"{base}:charged",
         inflight=f"{base}:inflight",
-        pending=f"{base}:pending",
         queue=queue_name(name),
     )
+
+
+def worker_tags(worker: str) -> str:
+    return f"{PREFIX}:worker:{worker}:tags"
 
 
 def queue_name(dataset: str) -> str:

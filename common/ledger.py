@@ -53,7 +53,6 @@ class LedgerState:
     state: str
     reserved_tokens: int
     inflight: int
-    pending: int
     queued: int
     closed_at: float | None
     close_reason: str | None
@@ -61,7 +60,7 @@ class LedgerState:
 
 
 def _keys(ds: DatasetKeys) -> list[str]:
-    return [ds.ledger, ds.charged, ds.inflight, ds.pending, *ds.queue_lists]
+    return [ds.ledger, ds.charged, ds.inflight, *ds.queue_lists]
 
 
 class Ledger:
@@ -123,17 +122,6 @@ class Ledger:
             added += int(self._absorb(keys=keys, args=batch))
         return added
 
-    def mark_pending(self, name: str, sample_ids: Iterable[str]) -> None:
-        ids = list(sample_ids)
-        if ids:
-            self.redis.sadd(dataset_keys(name).pending, *ids)
-
-    def pending_ids(self, name: str) -> set[str]:
-        return {m.decode() for m in self.redis.smembers(dataset_keys(name).pending)}
-
-    def forget_pending(self, name: str, sample_id: str) -> None:
-        self.redis.srem(dataset_keys(name).pending, sample_id)
-
     def is_closed(self, name: str) -> bool:
         return self.redis.hget(dataset_keys(name).ledger, "state") == b"closed"
 
@@ -146,10 +134,10 @@ class Ledger:
     def state(self, name: str) -> LedgerState:
         ds = dataset_keys(name)
         pipe = self.redis.pipeline(transaction=False)
-        pipe.hgetall(ds.ledger).hlen(ds.inflight).scard(ds.pending)
+        pipe.hgetall(ds.ledger).hlen(ds.inflight)
         for q in ds.queue_lists:
             pipe.llen(q)
-        raw, inflight, pending, *lens = pipe.execute()
+        raw, inflight, *lens = pipe.execute()
         h = {k.decode(): v.decode() for k, v in raw.items()}
         return LedgerState(
             name=name,
@@ -161,7 +149,6 @@ class Ledger:
             state=h.get("state", "open"),
             reserved_tokens=int(h.get("reserved", 0)),
             inflight=int(inflight),
-            pending=int(pending),
             queued=sum(int(n) for n in lens),
             closed_at=float(h["closed_at"]) if "closed_at" in h else None,
             close_reason=h.get("close_reason"),

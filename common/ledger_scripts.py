@@ -5,7 +5,7 @@ script runs atomically in Redis, so however many workers race, a sample is charg
 and a dataset is closed once, by the charge that crosses its budget.
 
 Shared layout: KEYS[1] ledger hash, KEYS[2] charged hash, KEYS[3] inflight hash,
-KEYS[4] pending set, KEYS[5..8] the queue's kombu priority lists.
+KEYS[4..7] the queue's kombu priority lists.
 """
 
 from __future__ import annotations
@@ -15,10 +15,10 @@ from __future__ import annotations
 _CLOSE_FN = """
 local function close(now, reason)
   local purged = 0
-  for i = 5, 8 do
+  for i = 4, 7 do
     purged = purged + redis.call('LLEN', KEYS[i])
   end
-  redis.call('DEL', KEYS[5], KEYS[6], KEYS[7], KEYS[8], KEYS[4])
+  redis.call('DEL', KEYS[4], KEYS[5], KEYS[6], KEYS[7])
   redis.call('HSET', KEYS[1], 'state', 'closed', 'closed_at', now,
              'close_reason', reason,
              'used_at_close', redis.call('HGET', KEYS[1], 'used') or '0')
@@ -29,7 +29,7 @@ local function num(field)
 end
 """
 
-# -- KEYS: ledger, charged, inflight, pending, q0, q3, q6, q9
+# -- KEYS: ledger, charged, inflight, q0, q3, q6, q9
 # -- ARGV: sample_id, rid, prompt_tokens, completion_tokens, now
 # Returns {status, kept_completion_tokens, used, crossed, purged}
 #   status 1 = charged, 2 = duplicate (already charged: nothing changed),
@@ -43,7 +43,6 @@ local expected = tonumber(redis.call('HGET', KEYS[3], rid) or '0')
 if redis.call('HDEL', KEYS[3], rid) == 1 then
   redis.call('HINCRBY', KEYS[1], 'reserved', -expected)
 end
-redis.call('SREM', KEYS[4], sid)
 local used = num('used')
 local prev = redis.call('HGET', KEYS[2], sid)
 if prev then
@@ -75,7 +74,7 @@ return {1, completion, used, crossed, purged}
 """
 )
 
-# -- KEYS: ledger, charged, inflight, pending, q0, q3, q6, q9
+# -- KEYS: ledger, charged, inflight, q0, q3, q6, q9
 # -- ARGV: sample_id, cost
 # Re-prices a sample charged before a crash whose stored result turned out different.
 RECHARGE = """
@@ -85,7 +84,7 @@ redis.call('HSET', KEYS[2], ARGV[1], cost)
 return redis.call('HINCRBY', KEYS[1], 'used', cost - prev)
 """
 
-# -- KEYS: ledger, charged, inflight, pending, q0, q3, q6, q9
+# -- KEYS: ledger, charged, inflight, q0, q3, q6, q9
 # -- ARGV: rid, max_new_tokens, default_expected_tokens
 # Returns {status, expected}: 1 = admitted (rid now in flight), 0 = closed,
 #   2 = wait: used + the expected output of requests in flight already reach the budget,
@@ -113,7 +112,7 @@ return {1, expected}
 """
 )
 
-# -- KEYS: ledger, charged, inflight, pending, q0, q3, q6, q9
+# -- KEYS: ledger, charged, inflight, q0, q3, q6, q9
 # -- ARGV: rid
 # A request that ends without a charge (failure, retry, abort) frees its reservation.
 RELEASE = """
@@ -124,7 +123,7 @@ end
 return expected
 """
 
-# -- KEYS: ledger, charged, inflight, pending, q0, q3, q6, q9
+# -- KEYS: ledger, charged, inflight, q0, q3, q6, q9
 # -- ARGV: budget, basis, policy, now
 # Sets the dataset's terms; a dataset already at or over its new budget closes at once.
 # Returns {closed_now, purged, used}.
@@ -142,7 +141,7 @@ return {0, 0, used}
 """
 )
 
-# -- KEYS: ledger, charged, inflight, pending, q0, q3, q6, q9
+# -- KEYS: ledger, charged, inflight, q0, q3, q6, q9
 # -- ARGV: now, reason
 # Returns {closed_now, purged}; closing a closed dataset purges again but keeps its record.
 CLOSE = (
@@ -150,15 +149,15 @@ CLOSE = (
     + """
 if redis.call('HGET', KEYS[1], 'state') == 'closed' then
   local purged = 0
-  for i = 5, 8 do purged = purged + redis.call('LLEN', KEYS[i]) end
-  redis.call('DEL', KEYS[5], KEYS[6], KEYS[7], KEYS[8], KEYS[4])
+  for i = 4, 7 do purged = purged + redis.call('LLEN', KEYS[i]) end
+  redis.call('DEL', KEYS[4], KEYS[5], KEYS[6], KEYS[7])
   return {0, purged}
 end
 return {1, close(ARGV[1], ARGV[2])}
 """
 )
 
-# -- KEYS: ledger, charged, inflight, pending, q0, q3, q6, q9
+# -- KEYS: ledger, charged, inflight, q0, q3, q6, q9
 # -- ARGV: budget
 # Reopens a closed dataset with a higher budget.
 REOPEN = """
@@ -167,7 +166,7 @@ redis.call('HDEL', KEYS[1], 'closed_at', 'close_reason', 'used_at_close')
 return 1
 """
 
-# -- KEYS: ledger, charged, inflight, pending, q0, q3, q6, q9
+# -- KEYS: ledger, charged, inflight, q0, q3, q6, q9
 # -- ARGV: sample_id_1, cost_1, sample_id_2, cost_2, ...
 # Adds stored results the ledger does not know (SQL is the source of truth); charges it
 # already holds are left alone, so this is safe while workers run. Returns tokens added.

@@ -42,6 +42,9 @@ class Settings:
     # Worker concurrency: a threads pool sized to the SGLang running-request capacity.
     concurrency: int = 64
     default_budget_tokens: int = 10_000_000
+    # Liveness: a worker silent for dead_after_s has its unacked messages returned at once.
+    heartbeat_s: float = 5.0
+    dead_after_s: float = 20.0
     sglang_api_key: str = field(default="", repr=False)
 
     @property

@@ -175,10 +175,14 @@ class Store:
                     .values(state=state, updated_at=utcnow())
                 )
 
-    def sample_ids(self, dataset: str, state: str) -> list[str]:
+    def sample_ids(
+        self, dataset: str, state: str, updated_before: datetime | None = None
+    ) -> list[str]:
         q = sa.select(prompts.c.sample_id).where(
             prompts.c.dataset == dataset, prompts.c.state == state
         )
+        if updated_before is not None:
+            q = q.where(prompts.c.updated_at < updated_before)
         with self.engine.connect() as conn:
             return list(conn.scalars(q))
 

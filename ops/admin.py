@@ -8,10 +8,10 @@ from common.budget import parse_budget_tokens
 from common.celery_app import make_celery
 from common.closing import after_close
 from common.errors import ConfigError
+from common.publish import Publisher
 from common.services import connect
 from common.settings import Settings
 from common.sglang_client import SGLangClient
-from producer.publish import Publisher
 
 
 def run_purge(args: argparse.Namespace, settings: Settings) -> int:
@@ -43,10 +43,7 @@ def run_reopen(args: argparse.Namespace, settings: Settings) -> int:
     stamp = store.dataset(ds.name).stamp
     remaining = store.sample_ids(ds.name, "queued")
     publisher = Publisher(make_celery(settings))
-    for start in range(0, len(remaining), 1000):
-        chunk = remaining[start : start + 1000]
-        publisher.publish(ds.name, stamp, chunk)
-        ledger.mark_pending(ds.name, chunk)
+    publisher.publish_all(ds.name, stamp, remaining)
     publisher.announce([ds.name])
     print(f"{ds.name}: reopened with a budget of {budget:,} tokens ({used:,} used); "
           f"{len(remaining):,} prompts enqueued")

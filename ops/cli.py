@@ -57,10 +57,12 @@ def build_parser() -> argparse.ArgumentParser:
     ro.add_argument("name")
     ro.add_argument("--budget-tokens", required=True)
     from ops.export import add_export_parser
+    from ops.plan import add_plan_parser
     from ops.validate import add_validate_parser
 
     add_export_parser(sub)
     add_validate_parser(sub)
+    add_plan_parser(sub)
     d = sub.add_parser("demo", help="the whole job on embedded defaults: simulator, SQLite")
     d.add_argument("--workers", type=int, default=1)
     d.add_argument("--concurrency", type=int, default=32)
@@ -80,6 +82,10 @@ def dispatch(args: argparse.Namespace, settings: Settings) -> int:
         from ops.status import run_status
 
         return run_status(args, settings)
+    if args.command == "plan":
+        from ops.plan import run_plan
+
+        return run_plan(args, settings)
     if args.command == "export":
         from ops.export import run_export
 

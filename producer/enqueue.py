@@ -1,7 +1,8 @@
 """``datagen enqueue``: read → template → tokenize → store → publish, datasets interleaved.
 
 Re-running on the same files enqueues nothing that is done, failed, skipped or still
-queued; a prompt stored as queued whose message Redis no longer holds is enqueued again.
+queued in Redis (waiting, or unacked by a worker); a prompt stored as queued whose
+message Redis no longer holds is enqueued again.
 """
 
 from __future__ import annotations
@@ -13,12 +14,13 @@ from typing import Any
 
 from celery import Celery
 
+from common.audit import queued_in_redis
 from common.errors import ConfigError
 from common.ledger import Ledger
+from common.publish import Publisher
 from common.reconcile import reconcile_dataset
 from common.store import DatasetRow, Store
 from producer.plan import DatasetPlan
-from producer.publish import Publisher
 from producer.reader import PromptRecord, ReadReport, read_dataset
 from producer.template import ChatTemplater
 
@@ -98,16 +100,15 @@ class Enqueuer:
     def _dataset(self, plan: DatasetPlan, summary: DatasetSummary) -> Iterator[bool]:
         ds = self._register(plan)
         states = self.store.prompt_states(plan.name)
-        pending = self.ledger.pending_ids(plan.name)
+        in_redis = queued_in_redis(self.ledger.redis, plan.name)
         report = ReadReport(dataset=plan.name, files=[str(f) for f in plan.files])
         stamp = ds.stamp
         records = read_dataset(plan.name, plan.files, report)
         for chunk in iter(lambda: list(itertools.islice(records, CHUNK)), []):
-            to_send = self._store_chunk(plan, chunk, states, pending, summary)
+            to_send = self._store_chunk(plan, chunk, states, in_redis, summary)
             summary.closed = self.ledger.is_closed(plan.name)
             if to_send and not summary.closed:
                 self.publisher.publish(plan.name, stamp, to_send)
-                self.ledger.mark_pending(plan.name, to_send)
                 summary.enqueued += len(to_send)
             self.progress(len(chunk))
             yield True
@@ -120,7 +121,7 @@ class Enqueuer:
         plan: DatasetPlan,
         chunk: list[PromptRecord],
         states: dict[str, str],
-        pending: set[str],
+        in_redis: set[str],
         summary: DatasetSummary,
     ) -> list[str]:
         """Store the chunk's new prompts; return the sample ids that need a message."""
@@ -134,7 +135,7 @@ class Enqueuer:
                 summary.failed_before += 1
             elif state == "skipped":
                 summary.skipped += 1
-            elif state == "queued" and r.sample_id in pending:
+            elif state == "queued" and r.sample_id in in_redis:
                 summary.already_queued += 1
             elif state == "queued":
                 to_send.append(r.sample_id)

@@ -19,6 +19,7 @@ from tests.test_pipeline_e2e import write_dataset
 STATUS_KEYS = {
     "name", "state", "prompts", "done", "failed", "skipped", "queued", "used_tokens",
     "budget_tokens", "basis", "policy", "inflight", "closed_at", "overshoot_tokens",
+    "tok_per_s", "eta_s",
 }
 
 

@@ -11,10 +11,10 @@ import requests
 from common.celery_app import make_celery
 from common.errors import IncompatibleServer
 from common.ledger import Ledger
+from common.publish import Publisher
 from common.settings import Settings
 from common.sglang_client import parse_completion
 from common.store import Store
-from producer.publish import Publisher
 from tests.conftest import make_settings
 from tests.helpers import assert_invariants, enqueue_paths, running_worker, wait_settled
 from tests.test_pipeline_e2e import write_dataset
@@ -114,3 +114,27 @@ def test_a_server_down_then_back_fails_nothing(
         with SimServer(SimConfig(port=port, decode_tok_per_s=0)):
             wait_settled(store, ["outage"], timeout_s=30)
     assert store.prompt_counts("outage") == {"done": 6}
+
+
+def test_prompts_redis_lost_are_found_and_enqueued_again(
+    settings: Settings, store: Store, ledger: Ledger, sim: str, tmp_path: Path
+) -> None:
+    from common.audit import queued_in_redis, requeue_lost
+    from common.keys import dataset_keys
+
+    path = str(write_dataset(tmp_path, "lost", 8))
+    enqueue_paths(settings, [path])
+    client = ledger.redis
+    assert queued_in_redis(client, "lost") == {f"lost-{i}" for i in range(8)}
+    client.delete(dataset_keys("lost").queue)  # Redis loses the messages, SQL does not
+    assert queued_in_redis(client, "lost") == set()
+    publisher = Publisher(make_celery(settings))
+    assert requeue_lost(store, client, publisher, quiet_for_s=3600) == {}  # too recent
+    assert requeue_lost(store, client, publisher, quiet_for_s=0) == {"lost": 8}
+    assert len(queued_in_redis(client, "lost")) == 8
+    again = enqueue_paths(settings, [path])[0]  # a re-run finds them queued now
+    assert (again.enqueued, again.already_queued) == (0, 8)
+    with running_worker(settings, concurrency=4):
+        wait_settled(store, ["lost"])
+    assert_invariants(store, ledger, ["lost"])
+    assert store.prompt_counts("lost") == {"done": 8}

@@ -9,12 +9,14 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+import redis
 from celery import Celery, signals
 
 from common.celery_app import make_celery
 from common.reconcile import reconcile_all
 from common.settings import Settings
 from workers.context import get_context
+from workers.liveness import Heartbeat, track
 from workers.queues import DatasetQueues
 from workers.tasks import register_tasks
 
@@ -41,12 +43,44 @@ def prepare(app: Celery) -> None:
         log.warning("SGLang server not answering at start: %s", problem)
 
 
+def _ours(app: Any) -> bool:
+    return isinstance(app, Celery) and hasattr(app, "datagen_settings")
+
+
+def _redis(app: Celery) -> redis.Redis:
+    return get_context(app).ledger.redis
+
+
 settings = Settings.from_env()
 app = create_app(settings)
 
 
 @signals.worker_init.connect
 def _prepare_on_start(sender: Any = None, **_: Any) -> None:
-    worker_app = getattr(sender, "app", None)
-    if isinstance(worker_app, Celery) and hasattr(worker_app, "datagen_settings"):
-        prepare(worker_app)
+    if _ours(getattr(sender, "app", None)):
+        prepare(sender.app)
+
+
+@signals.worker_ready.connect
+def _start_heartbeat(sender: Any = None, **_: Any) -> None:
+    if _ours(getattr(sender, "app", None)):
+        conf = sender.app.datagen_settings
+        beat = Heartbeat(sender.app, _redis(sender.app), sender.hostname, conf.heartbeat_s,
+                         conf.dead_after_s)
+        sender.app.datagen_heartbeat = beat
+        beat.start()
+
+
+@signals.worker_shutdown.connect
+def _stop_heartbeat(sender: Any = None, **_: Any) -> None:
+    beat = getattr(getattr(sender, "app", None), "datagen_heartbeat", None)
+    if beat is not None:
+        beat.stop()
+
+
+@signals.task_received.connect
+def _track(sender: Any = None, request: Any = None, **_: Any) -> None:
+    if _ours(getattr(sender, "app", None)) and request is not None:
+        tag = getattr(getattr(request, "message", None), "delivery_tag", None)
+        if tag:
+            track(_redis(sender.app), sender.hostname, tag)

@@ -55,14 +55,12 @@ def run_sample(ctx: WorkerContext, dataset: str, sample_id: str) -> Outcome:
     prompt = ctx.store.prompt(dataset, sample_id)
     if prompt is None:
         log.warning("no stored prompt for %s/%s; dropping the message", dataset, sample_id)
-        ctx.ledger.forget_pending(dataset, sample_id)
         return Outcome.MISSING
     if prompt.state != "queued":
         return _settle_finished(ctx, dataset, prompt)
     rid = new_rid(dataset)
     admission = _admit(ctx, prompt, rid)
     if admission is Admission.CLOSED:
-        ctx.ledger.forget_pending(dataset, sample_id)
         return Outcome.CLOSED
     if admission is not Admission.ADMITTED:
         return Outcome.WAIT
@@ -94,7 +92,6 @@ def keep(ctx: WorkerContext, ds: DatasetRow, sample_id: str, completion: Complet
         ds.name, sample_id, completion.rid, completion.prompt_tokens, completion.completion_tokens
     )
     if charge.status is Charge.REFUSED:
-        ctx.ledger.forget_pending(ds.name, sample_id)
         return Outcome.DISCARDED
     row = result_row(ctx, ds, sample_id, completion, charge)
     inserted = with_db_retry(lambda: ctx.store.save_result(row))
@@ -111,7 +108,6 @@ def keep(ctx: WorkerContext, ds: DatasetRow, sample_id: str, completion: Complet
 
 def _settle_finished(ctx: WorkerContext, dataset: str, prompt: PromptRow) -> Outcome:
     """A redelivered message whose sample is already settled: only make sure it is counted."""
-    ctx.ledger.forget_pending(dataset, prompt.sample_id)
     if prompt.state == "done":
         ds = ctx.dataset(dataset)
         ctx.ledger.absorb(dataset, ctx.store.result_costs(dataset, ds.budget, [prompt.sample_id]))
@@ -124,7 +120,6 @@ def _aborted(
 ) -> Outcome:
     ctx.ledger.release(dataset, rid)
     if ctx.ledger.is_closed(dataset):
-        ctx.ledger.forget_pending(dataset, sample_id)
         log.info("%s/%s aborted after its dataset closed: %d partial tokens not kept",
                  dataset, sample_id, completion.completion_tokens)
         return Outcome.DISCARDED

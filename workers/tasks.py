@@ -59,5 +59,4 @@ def register_tasks(app: Celery, settings: Settings) -> Task:
 def _fail(ctx: WorkerContext, dataset: str, sample_id: str, error: str) -> str:
     log.warning("%s/%s failed: %s", dataset, sample_id, error)
     ctx.store.mark_failed(dataset, sample_id, error)
-    ctx.ledger.forget_pending(dataset, sample_id)
     return "failed"

@@ -38,6 +38,10 @@ class Publisher:
             **options,
         )
 
+    def publish_all(self, dataset: str, stamp: str, sample_ids: Sequence[str]) -> None:
+        for start in range(0, len(sample_ids), BATCH_SIZE):
+            self.publish(dataset, stamp, sample_ids[start : start + BATCH_SIZE])
+
     def announce(self, datasets: Sequence[str]) -> None:
         """Ask running workers to consume these queues (fire and forget, no replies)."""
         for name in datasets:

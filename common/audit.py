@@ -1,0 +1,80 @@
+"""What Redis really holds for a dataset, and the prompts it lost.
+
+A prompt stored as ``queued`` in SQL should have a message in its queue, or unacked in
+the transport (reserved by a worker, or in flight). Redis can lose one: a Redis restart
+without persistence, or a worker killed in the instant between kombu's BRPOP and its
+record of the message as unacked. SQL remembers; this finds the difference.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+from collections.abc import Iterator
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+import redis
+
+from common.keys import dataset_keys, dataset_of_queue
+from common.publish import Publisher
+from common.store import Store
+
+UNACKED = "unacked"  # kombu's Redis transport default (no global_keyprefix)
+_CHUNK = 5000
+
+
+def sample_of(payload: dict[str, Any]) -> tuple[str, str] | None:
+    """(dataset, sample_id) of one Celery task message, or None if it is not ours."""
+    try:
+        body = payload["body"]
+        if payload.get("properties", {}).get("body_encoding") == "base64":
+            body = base64.b64decode(body)
+        kwargs = json.loads(body)[1]
+        return str(kwargs["dataset"]), str(kwargs["sample_id"])
+    except (KeyError, IndexError, TypeError, ValueError):
+        return None
+
+
+def _queued(client: redis.Redis, lists: tuple[str, ...]) -> Iterator[bytes]:
+    for key in lists:
+        for start in range(0, int(client.llen(key)), _CHUNK):
+            yield from client.lrange(key, start, start + _CHUNK - 1)
+
+
+def queued_in_redis(client: redis.Redis, dataset: str) -> set[str]:
+    """Sample ids with a message waiting in the dataset's queue or unacked by a worker."""
+    found = set()
+    for raw in _queued(client, dataset_keys(dataset).queue_lists):
+        sample = sample_of(json.loads(raw))
+        if sample is not None and sample[0] == dataset:
+            found.add(sample[1])
+    for _tag, raw in client.hscan_iter(UNACKED, count=_CHUNK):
+        payload, _exchange, routing_key = json.loads(raw)
+        if dataset_of_queue(str(routing_key)) == dataset:
+            sample = sample_of(payload)
+            if sample is not None:
+                found.add(sample[1])
+    return found
+
+
+def requeue_lost(
+    store: Store, client: redis.Redis, publisher: Publisher, quiet_for_s: float = 300.0
+) -> dict[str, int]:
+    """Publish again every open dataset's prompts that SQL holds as queued and Redis lost.
+
+    Only prompts untouched for ``quiet_for_s`` count, so one the producer has stored but
+    not yet published is never mistaken for lost. Duplicates are harmless: the ledger and
+    SQL keep each sample once.
+    """
+    cutoff = datetime.now(UTC) - timedelta(seconds=quiet_for_s)
+    requeued = {}
+    for ds in store.datasets():
+        if ds.state == "closed":
+            continue
+        queued = store.sample_ids(ds.name, "queued", updated_before=cutoff)
+        lost = sorted(set(queued) - queued_in_redis(client, ds.name)) if queued else []
+        if lost:
+            publisher.publish_all(ds.name, ds.stamp, lost)
+            requeued[ds.name] = len(lost)
+    return requeued

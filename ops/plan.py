@@ -1,0 +1,236 @@
+"""``datagen plan``: how many samples each budget buys, and how long the rest will take.
+
+    datagen plan [--mean-tokens N] [--tok-per-s N] [--json]
+
+Per dataset, from SQL alone (no Redis), in tokens on the dataset's budget basis:
+
+  mean      tokens per sample: the observed mean of the dataset's stored results once it
+            has at least 20; before that the --mean-tokens guess (output tokens; on basis
+            "total" the dataset's mean prompt length is added); without a guess, the few
+            results there are; with neither, unknown. The "mean from" column says which.
+  samples   done + remaining budget // mean: the samples the budget holds (under drain the
+            sample that crosses the budget adds one more).
+  prompts   "enough" when the prompts that can still give a sample (done + queued; skipped
+            and failed ones never will) cover those samples, else "short by N".
+  to go     min(remaining budget, queued prompts × mean): tokens still to generate; 0 for
+            a closed dataset, which generates nothing more.
+  hours     output tokens to go / throughput / 3600. The throughput is --tok-per-s, else
+            the output tokens stored over the last 10 minutes by all datasets / 600 (it
+            fills up over a run's first 10 minutes; pass --tok-per-s until then). Datasets
+            share the server, so the total is everyone's tokens to go over that one
+            throughput, and a dataset's hours are its share of it.
+
+Example: B2 of the reference run before it starts, 14,714 prompts and a 10M budget, with
+``--mean-tokens 4100 --tok-per-s 930``:
+
+    samples = 10,000,000 // 4,100 = 2,439          (2,439 × 4,100 = 9,999,900)
+    prompts = 14,714 ≥ 2,439                       enough
+    to go   = min(10,000,000, 14,714 × 4,100 = 60,327,400) = 10,000,000
+    hours   = 10,000,000 / 930 / 3,600 = 2.99
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+from dataclasses import asdict, dataclass
+from fractions import Fraction
+from typing import Any
+
+from rich import box
+from rich.table import Table
+
+from common.console import make_console
+from common.settings import Settings
+from common.store import DatasetRow, Store
+from ops import progress
+from ops.progress import MIN_OBSERVED, PLAN_WINDOW_S, Mean, ResultSums, estimate_mean
+
+
+@dataclass(frozen=True)
+class DatasetPlan:
+    name: str
+    state: str
+    basis: str
+    budget_tokens: int
+    used_tokens: int
+    done: int
+    queued: int
+    usable_prompts: int
+    # None when the dataset has no mean to plan with (no results and no --mean-tokens).
+    mean_tokens: float | None = None
+    mean_source: str | None = None
+    samples: int | None = None
+    short_by: int | None = None
+    tokens_to_go: int | None = None
+    output_tokens_to_go: int | None = None
+    hours: float | None = None
+
+
+@dataclass(frozen=True)
+class PlanTotal:
+    samples: int
+    tokens_to_go: int
+    output_tokens_to_go: int
+    tok_per_s: float | None
+    tok_per_s_source: str | None
+    hours: float | None
+    left_out: list[str]
+
+
+def hours_at(output_tokens: int, tok_per_s: float | None) -> float | None:
+    return output_tokens / tok_per_s / 3600 if tok_per_s else None
+
+
+def plan_dataset(
+    ds: DatasetRow, counts: dict[str, int], used: int, mean: Mean | None, tok_per_s: float | None
+) -> DatasetPlan:
+    done, queued = counts.get("done", 0), counts.get("queued", 0)
+    closed = ds.state == "closed"
+    remaining = 0 if closed else max(0, ds.budget.tokens - used)
+    terms: dict[str, Any] = {
+        "name": ds.name, "state": ds.state, "basis": ds.budget.basis,
+        "budget_tokens": ds.budget.tokens, "used_tokens": used, "done": done, "queued": queued,
+        "usable_prompts": done + queued,
+    }
+    if mean is None:
+        return DatasetPlan(**terms)
+    samples = done + math.floor(remaining / mean.cost)
+    to_go = min(Fraction(remaining), (0 if closed else queued) * mean.cost)
+    out_to_go = round(to_go * mean.output / mean.cost)
+    return DatasetPlan(
+        **terms, mean_tokens=round(float(mean.cost), 1), mean_source=mean.source,
+        samples=samples, short_by=max(0, samples - done - queued), tokens_to_go=round(to_go),
+        output_tokens_to_go=out_to_go, hours=hours_at(out_to_go, tok_per_s),
+    )
+
+
+def throughput(store: Store, names: list[str], given: float | None) -> tuple[float | None, str]:
+    """--tok-per-s when given, else the output tokens stored in the last 10 minutes / 600."""
+    if given:
+        return given, "--tok-per-s"
+    recent = progress.recent_sums(store.engine, names, PLAN_WINDOW_S)
+    rate = sum(s.completion_tokens for s in recent.values()) / PLAN_WINDOW_S
+    return (rate, "observed, last 10 min") if rate else (None, "")
+
+
+def plan_total(rows: list[DatasetPlan], rate: float | None, source: str) -> PlanTotal:
+    """Datasets share the server: their tokens to go add up over one throughput."""
+    planned = [r for r in rows if r.mean_source is not None]
+    out_to_go = sum(r.output_tokens_to_go or 0 for r in planned)
+    return PlanTotal(
+        samples=sum(r.samples or 0 for r in planned),
+        tokens_to_go=sum(r.tokens_to_go or 0 for r in planned),
+        output_tokens_to_go=out_to_go,
+        tok_per_s=round(rate, 1) if rate else None,
+        tok_per_s_source=source or None,
+        hours=hours_at(out_to_go, rate),
+        left_out=[r.name for r in rows if r.mean_source is None],
+    )
+
+
+def build_plan(
+    store: Store, mean_guess: int | None, tok_per_s: float | None
+) -> tuple[list[DatasetPlan], PlanTotal]:
+    dsets = store.datasets()
+    rate, source = throughput(store, [d.name for d in dsets], tok_per_s)
+    counts, sums = progress.prompt_counts(store.engine), progress.result_sums(store.engine)
+    prompt_means = progress.mean_prompt_tokens(store.engine)
+    rows = []
+    for ds in dsets:
+        s, basis = sums.get(ds.name, ResultSums()), ds.budget.basis
+        mean = estimate_mean(s, basis, mean_guess, prompt_means.get(ds.name, Fraction(0)))
+        rows.append(plan_dataset(ds, counts.get(ds.name, {}), s.cost(basis), mean, rate))
+    return rows, plan_total(rows, rate, source)
+
+
+def _num(n: int | float | None, fmt: str = ",") -> str:
+    return "—" if n is None else format(n, fmt)
+
+
+def _prompts_cell(r: DatasetPlan) -> str:
+    if r.short_by is None:
+        return "—"
+    if r.state == "closed":
+        return "closed"
+    return "enough" if r.short_by == 0 else f"short by {r.short_by:,}"
+
+
+COLUMNS = ("dataset", "state", "basis", "budget", "used", "done", "mean\ntok", "mean from",
+           "samples\nat budget", "usable\nprompts", "prompts", "tokens\nto go", "hours")
+LEFT = ("dataset", "state", "basis", "mean from", "prompts")
+
+
+def render(rows: list[DatasetPlan], total: PlanTotal) -> Table:
+    table = Table(title="datagen plan", title_justify="left", box=box.SIMPLE_HEAD,
+                  show_edge=False, collapse_padding=True)
+    for col in COLUMNS:
+        table.add_column(col, justify="left" if col in LEFT else "right",
+                         no_wrap=col != "dataset", overflow="fold")
+    for i, r in enumerate(rows):
+        table.add_row(
+            r.name, r.state, r.basis, f"{r.budget_tokens:,}", f"{r.used_tokens:,}",
+            f"{r.done:,}", _num(r.mean_tokens, ",.0f"), r.mean_source or "—", _num(r.samples),
+            f"{r.usable_prompts:,}", _prompts_cell(r), _num(r.tokens_to_go), _num(r.hours, ",.2f"),
+            end_section=i == len(rows) - 1,
+        )
+    table.add_row("total", "", "", "", "", "", "", "", f"{total.samples:,}", "", "",
+                  f"{total.tokens_to_go:,}", _num(total.hours, ",.2f"))
+    return table
+
+
+def notes(total: PlanTotal) -> list[str]:
+    """What the numbers rest on, and how to fill in what is missing."""
+    lines = []
+    if total.tok_per_s is None:
+        lines.append("hours: no result stored in the last 10 minutes; pass --tok-per-s N "
+                     "(the reference 8-GPU server does ~930) to estimate them")
+    else:
+        lines.append(f"throughput: {total.tok_per_s:,.1f} output tok/s ({total.tok_per_s_source})"
+                     "; the total's hours spread it over every dataset's tokens to go")
+    if total.left_out:
+        lines.append(f"not planned (no results yet): {', '.join(total.left_out)}; "
+                     "pass --mean-tokens N to plan them with a guess")
+    return lines
+
+
+def as_json(rows: list[DatasetPlan], total: PlanTotal) -> dict[str, Any]:
+    """Hours to 3 decimals; everything else as computed."""
+    def hours(h: float | None) -> dict[str, float | None]:
+        return {"hours": None if h is None else round(h, 3)}
+    return {"datasets": [asdict(r) | hours(r.hours) for r in rows],
+            "total": asdict(total) | hours(total.hours)}
+
+
+def _positive(kind: type[int] | type[float]) -> Any:
+    def parse(raw: str) -> int | float:
+        value = kind(raw)  # a ValueError becomes argparse's "invalid int value: 'x'"
+        if value <= 0:
+            raise argparse.ArgumentTypeError(f"{raw!r} must be positive")
+        return value
+
+    parse.__name__ = kind.__name__
+    return parse
+
+
+def add_plan_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    p = sub.add_parser("plan", help="samples each budget buys, tokens and hours still to go")
+    p.add_argument("--mean-tokens", type=_positive(int), metavar="N",
+                   help=f"output tokens per sample for datasets with < {MIN_OBSERVED} results")
+    p.add_argument("--tok-per-s", type=_positive(float), metavar="N",
+                   help="server output tokens/s (default: observed over the last 10 minutes)")
+    p.add_argument("--json", action="store_true")
+    return p
+
+
+def run_plan(args: argparse.Namespace, settings: Settings) -> int:
+    rows, total = build_plan(Store(settings.database_url), args.mean_tokens, args.tok_per_s)
+    if args.json:
+        print(json.dumps(as_json(rows, total), indent=2))
+        return 0
+    console = make_console()
+    console.print(render(rows, total))
+    for line in notes(total):
+        console.print(line, highlight=False)
+    return 0

@@ -1,0 +1,257 @@
+"""``datagen status`` throughput, ETA and totals, and ``datagen plan``, on the real stack.
+
+Every expected number is recomputed here from SQL rows with plain arithmetic, not with
+the queries of ops.progress, so a wrong window, basis or rounding shows up as a mismatch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+from datetime import UTC, datetime, timedelta
+from fractions import Fraction
+from pathlib import Path
+from typing import Any
+
+import pytest
+import sqlalchemy as sa
+
+from common.schema import prompts, results
+from common.settings import Settings
+from common.store import Store, as_utc
+from ops.cli import main
+from ops.plan import MIN_OBSERVED, add_plan_parser, run_plan
+from ops.status import duration, eta_seconds
+from tests.helpers import running_worker, wait_settled
+from tests.test_pipeline_e2e import write_dataset
+
+STATUS_KEYS = {
+    "name", "state", "prompts", "done", "failed", "skipped", "queued", "used_tokens",
+    "budget_tokens", "basis", "policy", "inflight", "closed_at", "overshoot_tokens",
+    "tok_per_s", "eta_s",
+}
+TOTALS_KEYS = {
+    "datasets", "open", "prompts", "done", "failed", "skipped", "queued", "inflight",
+    "used_tokens", "budget_tokens", "overshoot_tokens", "tok_per_s", "eta_s",
+}
+SUMMED = ("prompts", "done", "failed", "skipped", "queued", "inflight", "used_tokens",
+          "budget_tokens", "overshoot_tokens")
+
+
+@pytest.fixture
+def env(settings: Settings, monkeypatch: pytest.MonkeyPatch) -> Settings:
+    for key, value in settings.to_env().items():
+        monkeypatch.setenv(key, value)
+    return settings
+
+
+def enqueue(path: Path, *flags: str) -> None:
+    assert main(["enqueue", str(path), "-q", *flags]) == 0
+
+
+def run_until_settled(env: Settings, names: list[str]) -> None:
+    with running_worker(env, concurrency=4):
+        wait_settled(Store(env.database_url), names)
+
+
+def status_json(capsys: pytest.CaptureFixture[str]) -> dict[str, Any]:
+    capsys.readouterr()
+    assert main(["status", "--json"]) == 0
+    return dict(json.loads(capsys.readouterr().out))
+
+
+def plan(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str]:
+    """Run ``datagen plan`` through the parser ops.plan exposes (cli.py wires the same)."""
+    parser = argparse.ArgumentParser(prog="datagen")
+    add_plan_parser(parser.add_subparsers(dest="command", required=True))
+    capsys.readouterr()
+    code = run_plan(parser.parse_args(["plan", *argv]), Settings.from_env())
+    return code, capsys.readouterr().out
+
+
+def result_rows(env: Settings, name: str) -> list[tuple[int, int, datetime]]:
+    """(completion_tokens, prompt_tokens, created_at as aware UTC) of a dataset's results."""
+    q = sa.select(results.c.completion_tokens, results.c.prompt_tokens, results.c.created_at)
+    with Store(env.database_url).engine.connect() as conn:
+        rows = conn.execute(q.where(results.c.dataset == name)).all()
+    return [(c, p, as_utc(t)) for c, p, t in rows]  # type: ignore[misc]
+
+
+def completion_since(env: Settings, name: str, moment: datetime) -> int:
+    return sum(c for c, _, t in result_rows(env, name) if t >= moment)
+
+
+def test_status_json_adds_rate_eta_and_totals(
+    env: Settings, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    enqueue(write_dataset(tmp_path, "st", 6), "--budget-tokens", "50k")
+    run_until_settled(env, ["st"])
+    before = datetime.now(UTC)
+    doc = status_json(capsys)
+    after = datetime.now(UTC)
+    (row,) = doc["datasets"]
+    assert set(row) == STATUS_KEYS and set(doc["totals"]) == TOTALS_KEYS
+    # The window's bound moved while status ran; both ends must give the same sum.
+    recent = completion_since(env, "st", after - timedelta(seconds=60))
+    assert recent == completion_since(env, "st", before - timedelta(seconds=60)) > 0
+    assert row["tok_per_s"] == round(recent / 60, 1) > 0
+    assert (row["state"], row["done"], row["eta_s"]) == ("open", 6, 0)  # nothing left to do
+    totals = doc["totals"]
+    assert {k: totals[k] for k in SUMMED} == {k: row[k] for k in SUMMED}
+    assert (totals["datasets"], totals["open"], totals["eta_s"]) == (1, 1, 0)
+    assert totals["tok_per_s"] == row["tok_per_s"]
+
+
+def test_rate_counts_only_the_last_minute_and_eta_follows_it(
+    env: Settings, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    enqueue(write_dataset(tmp_path, "eta", 10), "--budget-tokens", "50k")
+    run_until_settled(env, ["eta"])
+    with Store(env.database_url).engine.begin() as conn:  # two results stored 2 minutes ago
+        first = sa.select(results.c.id, results.c.completion_tokens).order_by(results.c.id)
+        old = conn.execute(first.limit(2)).all()
+        conn.execute(results.update().where(results.c.id.in_([i for i, _ in old]))
+                     .values(created_at=datetime.now(UTC) - timedelta(seconds=120)))
+    # 15 more prompts (same budget), and no worker to take them.
+    enqueue(write_dataset(tmp_path, "eta", 25), "--budget-tokens", "50k")
+    doc = status_json(capsys)
+    (row,) = doc["datasets"]
+    rows = result_rows(env, "eta")
+    used, n = sum(c for c, _, _ in rows), len(rows)
+    recent = used - sum(c for _, c in old)
+    assert recent == completion_since(env, "eta", datetime.now(UTC) - timedelta(seconds=60))
+    assert row["tok_per_s"] == round(recent / 60, 1)
+    budget_left, prompts_left = 50_000 - used, 15
+    expected = round(min(budget_left, prompts_left * (used / n)) / (recent / 60))
+    assert (row["queued"], row["eta_s"]) == (15, expected) and expected > 0
+    assert doc["totals"]["eta_s"] == expected
+
+
+def test_eta_is_null_for_a_closed_dataset(
+    env: Settings, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    enqueue(write_dataset(tmp_path, "cl", 30), "--budget-tokens", "600")
+    enqueue(write_dataset(tmp_path, "op", 3))
+    with running_worker(env, concurrency=2):
+        wait_settled(Store(env.database_url), ["cl", "op"])
+    doc = status_json(capsys)
+    rows = {r["name"]: r for r in doc["datasets"]}
+    assert rows["cl"]["state"] == "closed" and rows["cl"]["closed_at"] is not None
+    assert rows["cl"]["eta_s"] is None and rows["op"]["eta_s"] == 0
+    assert (doc["totals"]["open"], doc["totals"]["eta_s"]) == (1, 0)  # the open one's ETA
+    assert doc["totals"]["overshoot_tokens"] == rows["cl"]["used_tokens"] - 600
+    capsys.readouterr()
+    assert main(["status"]) == 0
+    table = capsys.readouterr().out
+    assert "tok/s" in table and "ETA" in table and "1 open" in table
+
+
+def _planned(env: Settings, name: str, basis: str) -> tuple[int, int, int]:
+    """(results, tokens on the basis, output tokens) of a dataset, summed in Python."""
+    rows = result_rows(env, name)
+    cost = sum(c + (p if basis == "total" else 0) for c, p, _ in rows)
+    return len(rows), cost, sum(c for c, _, _ in rows)
+
+
+def test_plan_from_observed_results_matches_sql_arithmetic(
+    env: Settings, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    enqueue(write_dataset(tmp_path, "po", 25))
+    enqueue(write_dataset(tmp_path, "pt", 25), "--budget-basis", "total", "--budget-tokens", "50k")
+    run_until_settled(env, ["po", "pt"])
+    enqueue(write_dataset(tmp_path, "po", 40))  # 15 queued left for the plan
+    code, out = plan(capsys, "--json", "--tok-per-s", "930")
+    assert code == 0
+    doc = json.loads(out)
+    rows = {r["name"]: r for r in doc["datasets"]}
+    n, cost, _ = _planned(env, "po", "output")
+    po = rows["po"]
+    assert n >= MIN_OBSERVED and po["mean_source"] == "observed"
+    assert po["mean_tokens"] == round(cost / n, 1) and po["used_tokens"] == cost
+    assert po["samples"] == 25 + (10_000_000 - cost) * n // cost
+    assert (po["usable_prompts"], po["short_by"]) == (40, po["samples"] - 40)
+    to_go = round(min(Fraction(10_000_000 - cost), Fraction(15 * cost, n)))
+    assert po["tokens_to_go"] == po["output_tokens_to_go"] == to_go
+    assert po["hours"] == pytest.approx(to_go / 930 / 3600, abs=1e-3)
+    n_t, cost_t, _ = _planned(env, "pt", "total")
+    pt = rows["pt"]
+    assert pt["used_tokens"] == cost_t and pt["mean_tokens"] == round(cost_t / n_t, 1)
+    assert pt["samples"] == 25 + (50_000 - cost_t) * n_t // cost_t
+    assert (pt["state"], pt["tokens_to_go"]) == ("open", 0)  # nothing queued: none to go
+    total = doc["total"]
+    assert (total["tok_per_s"], total["tok_per_s_source"]) == (930.0, "--tok-per-s")
+    assert total["tokens_to_go"] == to_go and total["left_out"] == []
+
+
+def test_plan_observed_throughput_is_the_last_ten_minutes(
+    env: Settings, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    enqueue(write_dataset(tmp_path, "tp", 8))
+    run_until_settled(env, ["tp"])
+    code, out = plan(capsys, "--json")
+    total = json.loads(out)["total"]
+    recent = completion_since(env, "tp", datetime.now(UTC) - timedelta(seconds=600))
+    assert code == 0 and recent == _planned(env, "tp", "output")[2]
+    assert (total["tok_per_s"], total["tok_per_s_source"]) == (
+        round(recent / 600, 1), "observed, last 10 min")
+    row = json.loads(out)["datasets"][0]
+    assert row["mean_source"] == "observed, n=8"  # fewer than 20 and no guess given
+
+
+def _mean_prompt(env: Settings, name: str) -> Fraction:
+    q = sa.select(prompts.c.prompt_tokens).where(prompts.c.dataset == name)
+    with Store(env.database_url).engine.connect() as conn:
+        lengths = list(conn.scalars(q))
+    return Fraction(sum(lengths), len(lengths))
+
+
+def test_plan_with_a_guess_on_datasets_without_results(
+    env: Settings, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    enqueue(write_dataset(tmp_path, "ga", 30), "--budget-tokens", "100k")
+    enqueue(write_dataset(tmp_path, "gs", 5), "--budget-tokens", "100k")
+    enqueue(write_dataset(tmp_path, "gt", 30), "--budget-tokens", "100k", "--budget-basis", "total")
+    code, out = plan(capsys, "--mean-tokens", "4100", "--tok-per-s", "930", "--json")
+    assert code == 0
+    doc = json.loads(out)
+    rows = {r["name"]: r for r in doc["datasets"]}
+    ga, gs, gt = rows["ga"], rows["gs"], rows["gt"]
+    assert ga["samples"] == 100_000 // 4100 == 24 and ga["mean_source"] == "--mean-tokens"
+    assert (ga["short_by"], ga["tokens_to_go"]) == (0, min(100_000, 30 * 4100))
+    assert ga["hours"] == pytest.approx(100_000 / 930 / 3600, abs=1e-3)
+    assert (gs["samples"], gs["short_by"], gs["tokens_to_go"]) == (24, 19, 5 * 4100)
+    mean_t = 4100 + _mean_prompt(env, "gt")  # basis total: the prompt counts too
+    assert gt["samples"] == math.floor(100_000 / mean_t)
+    assert gt["output_tokens_to_go"] == round(Fraction(100_000) * 4100 / mean_t)
+    out_to_go = 100_000 + 5 * 4100 + gt["output_tokens_to_go"]
+    assert doc["total"]["output_tokens_to_go"] == out_to_go
+    assert doc["total"]["hours"] == pytest.approx(out_to_go / 930 / 3600, abs=1e-3)
+    _, text = plan(capsys, "--mean-tokens", "4100", "--tok-per-s", "930")
+    assert "enough" in text and "short by 19" in text and "--tok-per-s" in text
+
+
+def test_plan_without_rate_or_guess_says_how_to_give_them(
+    env: Settings, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    enqueue(write_dataset(tmp_path, "nr", 4))
+    code, out = plan(capsys, "--json")
+    doc = json.loads(out)
+    assert code == 0 and doc["total"]["hours"] is None and doc["total"]["left_out"] == ["nr"]
+    assert doc["datasets"][0]["samples"] is None
+    _, text = plan(capsys)
+    assert "pass --tok-per-s N" in text and "pass --mean-tokens N" in text
+    _, guessed = plan(capsys, "--json", "--mean-tokens", "100")
+    assert json.loads(guessed)["datasets"][0]["hours"] is None  # a mean, still no rate
+
+
+def test_eta_and_duration_arithmetic() -> None:
+    def eta(prompts_left: int, closed: bool = False) -> int | None:
+        return eta_seconds(closed=closed, prompts_left=prompts_left, budget_left=1_000,
+                           mean=100.0, rate=10.0)
+
+    assert (eta(3), eta(50), eta(0)) == (30, 100, 0)  # prompts end first; budget first; done
+    assert eta(50, closed=True) is None
+    assert eta_seconds(closed=False, prompts_left=5, budget_left=10, mean=None, rate=0) is None
+    assert [duration(s) for s in (None, 42, 725, 18_420, 183_600)] == [
+        "", "42s", "12m 05s", "5h 07m", "2d 03h"]

@@ -1,0 +1,157 @@
+"""Heartbeats, and a reaper that returns a dead worker's messages to their queues at once.
+
+Celery's Redis transport returns a killed worker's unacked messages only after the
+visibility timeout (above the longest request: half an hour or more). Each worker instead
+records the delivery tags it receives (pruning those acked since) and beats every few
+seconds. Any live worker that sees a silent one takes the reaper lock, forgets it, and
+pushes every message unacked for that long that no live worker holds back to its queue,
+the way kombu itself restores them (``QoS.restore_by_tag``); that also covers a worker
+killed between receiving a message and recording it. A worker wrongly declared dead (a
+long pause) only causes duplicates, which the ledger and SQL absorb.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+from typing import Any
+
+import redis
+from celery import Celery
+
+from common.audit import requeue_lost
+from common.keys import REAPER_LOCK, SWEEPER_LOCK, WORKERS, dataset_of_queue, worker_tags
+from common.publish import Publisher
+from workers.context import get_context
+
+log = logging.getLogger(__name__)
+SWEEP_EVERY_S = 300.0
+
+
+def track(client: redis.Redis, worker: str, tag: str) -> None:
+    client.sadd(worker_tags(worker), tag)
+
+
+def prune(client: redis.Redis, worker: str, unacked_key: str) -> None:
+    """Forget tags already acked (their messages left the transport's unacked hash)."""
+    tags = [t.decode() for t in client.smembers(worker_tags(worker))]
+    gone = [t for t, held in zip(tags, _exists(client, unacked_key, tags), strict=True)
+            if not held]
+    if gone:
+        client.srem(worker_tags(worker), *gone)
+
+
+def dead_workers(client: redis.Redis, now: float, dead_after_s: float) -> list[str]:
+    return [w.decode() for w in client.zrangebyscore(WORKERS, "-inf", now - dead_after_s)]
+
+
+def reap(app: Celery, client: redis.Redis, dead_after_s: float) -> int:
+    """Return orphaned messages to their queues; returns how many came back.
+
+    An orphan is a message unacked for longer than ``dead_after_s`` that no live worker
+    holds: its worker stopped beating, or died between receiving it and recording it.
+    """
+    if not client.set(REAPER_LOCK, "1", nx=True, ex=max(1, int(dead_after_s))):
+        return 0
+    try:
+        now = time.time()
+        for worker in dead_workers(client, now, dead_after_s):
+            log.warning("worker %s stopped beating; reaping its messages", worker)
+            client.delete(worker_tags(worker))
+            client.zrem(WORKERS, worker)
+        with app.connection_for_write() as conn:
+            return _restore_orphans(conn.default_channel, client, now - dead_after_s)
+    finally:
+        client.delete(REAPER_LOCK)
+
+
+def _restore_orphans(channel: Any, client: redis.Redis, delivered_before: float) -> int:
+    old = [t.decode() for t in client.zrangebyscore(
+        channel.unacked_index_key, "-inf", delivered_before)]
+    if not old:
+        return 0
+    live = [worker_tags(w.decode()) for w in client.zrange(WORKERS, 0, -1)]
+    held = {t.decode() for t in client.sunion(live)} if live else set()
+    restored = 0
+    for tag in old:
+        if tag not in held and _ours(client.hget(channel.unacked_key, tag)):
+            # leftmost: back to the head of its queue, as a requeue would put it.
+            channel.qos.restore_by_tag(tag, leftmost=True)
+            restored += 1
+    return restored
+
+
+def _ours(entry: bytes | None) -> bool:
+    """Only datagen's own queues: other apps may share the Redis database."""
+    if entry is None:
+        return False
+    try:
+        _payload, _exchange, routing_key = json.loads(entry)
+    except (ValueError, TypeError):
+        return False
+    return dataset_of_queue(str(routing_key)) is not None
+
+
+def _exists(client: redis.Redis, key: str, fields: list[str]) -> list[bool]:
+    pipe = client.pipeline(transaction=False)
+    for f in fields:
+        pipe.hexists(key, f)
+    return [bool(x) for x in pipe.execute()]
+
+
+class Heartbeat:
+    """Beats for one worker and reaps the others, on a daemon thread."""
+
+    def __init__(
+        self, app: Celery, client: redis.Redis, worker: str, interval_s: float, dead_after_s: float
+    ) -> None:
+        self.app, self.client, self.worker = app, client, worker
+        self.interval_s, self.dead_after_s = interval_s, dead_after_s
+        self._next_sweep = time.monotonic() + SWEEP_EVERY_S
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True, name="datagen-heartbeat")
+
+    def _unacked_key(self) -> str:
+        with self.app.connection_for_write() as conn:
+            return str(conn.default_channel.unacked_key)
+
+    def start(self) -> None:
+        self.client.zadd(WORKERS, {self.worker: time.time()})
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        # A clean shutdown returns its own messages (kombu); nothing is left to reap.
+        self.client.zrem(WORKERS, self.worker)
+        self.client.delete(worker_tags(self.worker))
+
+    def _run(self) -> None:
+        while True:
+            try:
+                self.client.zadd(WORKERS, {self.worker: time.time()})
+                prune(self.client, self.worker, self._unacked_key())
+                restored = reap(self.app, self.client, self.dead_after_s)
+                if restored:
+                    log.info("reaper: %d messages returned to their queues", restored)
+            except Exception:
+                log.exception("heartbeat failed; trying again")
+            self._maybe_sweep()
+            if self._stop.wait(self.interval_s):
+                return
+
+    def _maybe_sweep(self) -> None:
+        """Every few minutes, one worker re-enqueues prompts Redis lost (see common.audit)."""
+        if time.monotonic() < self._next_sweep:
+            return
+        self._next_sweep = time.monotonic() + SWEEP_EVERY_S
+        if not self.client.set(SWEEPER_LOCK, "1", nx=True, ex=int(SWEEP_EVERY_S)):
+            return
+        try:
+            requeued = requeue_lost(get_context(self.app).store, self.client, Publisher(self.app))
+            for name, n in requeued.items():
+                log.warning("dataset %s: %d queued prompts were missing from Redis; enqueued "
+                            "again", name, n)
+        except Exception:
+            log.exception("sweep for lost prompts failed; will try again")
