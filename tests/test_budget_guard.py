@@ -13,10 +13,10 @@ import requests
 from common.budget import Budget
 from common.celery_app import make_celery
 from common.ledger import Ledger
+from common.publish import Publisher
 from common.settings import Settings
 from common.store import Store
 from ops.cli import main as cli_main
-from producer.publish import Publisher
 from tests.conftest import REDIS_URL, make_settings
 from tests.helpers import assert_invariants, enqueue_paths, running_worker, wait_settled
 from tests.test_pipeline_e2e import write_dataset
