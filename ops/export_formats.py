@@ -37,6 +37,19 @@ REASONS = {
 }
 
 
+def _prompt_turn(message: dict[str, Any]) -> dict[str, Any]:
+    """A prompt turn as SpecForge wants it; earlier assistant turns carry no reasoning.
+
+    Chat templates of reasoning models drop the reasoning of earlier turns, and SpecForge's
+    checker wants ``reasoning_content`` to be a string on every assistant turn, so a
+    multi-turn prompt (an agent trace, say) gets ``""`` there rather than being left out.
+    """
+    turn = {"role": message.get("role"), "content": message.get("content")}
+    if turn["role"] == "assistant":
+        turn["reasoning_content"] = ""
+    return turn
+
+
 @dataclass(frozen=True)
 class LeftOut:
     reason: str  # a key of REASONS
@@ -93,7 +106,7 @@ class SpecForgeBuilder:
                            f"{row.completion_tokens} tokens (finish {row.finish_reason})")
         if not answer.strip():
             return LeftOut("empty_answer", f"{row.completion_tokens} tokens, empty answer")
-        turns = [{"role": m.get("role"), "content": m.get("content")} for m in row.messages]
+        turns = [_prompt_turn(m) for m in row.messages]
         turns.append({"role": "assistant", "content": answer, "reasoning_content": reasoning})
         record = {"id": row.sample_id, "status": "success", "conversations": turns}
         error = row_error(record, **self.flags)

@@ -427,3 +427,17 @@ def _conv(*turns: tuple[str, str]) -> dict[str, Any]:
 def test_specforge_checker_rules(row: dict[str, Any], error: str | None) -> None:
     found = row_error(row)
     assert (found is None) if error is None else (found is not None and error in found)
+
+
+def test_multi_turn_prompts_pass_the_checker_with_empty_earlier_reasoning() -> None:
+    from ops.export_formats import _prompt_turn
+    from ops.specforge_check import row_error
+
+    prompt = [{"role": "user", "content": "fix the bug"},
+              {"role": "assistant", "content": "ran the tests"},
+              {"role": "user", "content": "now the edge case"}]
+    turns = [_prompt_turn(m) for m in prompt]
+    turns.append({"role": "assistant", "content": "done", "reasoning_content": "think"})
+    record = {"id": "t1", "status": "success", "conversations": turns}
+    assert turns[1]["reasoning_content"] == ""
+    assert row_error(record, expect_reasoning=True, expect_non_reasoning=False) is None
