@@ -21,9 +21,9 @@ def run_purge(args: argparse.Namespace, settings: Settings) -> int:
     client = SGLangClient(settings.sglang_urls, connect_timeout_s=settings.connect_timeout_s)
     after_close(ds.name, store=store, ledger=ledger, app=make_celery(settings), client=client)
     state = ledger.state(ds.name)
-    verb = "closed" if result.closed_now else "was already closed;"
+    verb = "closed" if result.closed_now else "was already closed"
     fate = "finish and are kept" if ds.budget.policy == "drain" else "were aborted"
-    print(f"{ds.name}: {verb} removed {result.purged:,} queued messages; reserved tasks "
+    print(f"{ds.name}: {verb}; removed {result.purged:,} queued messages; reserved tasks "
           f"revoked; {state.inflight} requests in flight {fate}; "
           f"{state.used_tokens:,} of {ds.budget.tokens:,} tokens used")
     return 0
