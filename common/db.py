@@ -31,11 +31,19 @@ def make_engine(url: str) -> Engine:
     if url.startswith("postgresql://"):
         url = "postgresql+psycopg://" + url[len("postgresql://") :]
     if url.startswith("sqlite"):
-        engine = sa.create_engine(url, connect_args={"timeout": 60, "check_same_thread": False})
+        # Every worker thread may hold a connection at once; SQLite serializes the writes.
+        engine = sa.create_engine(
+            url,
+            connect_args={"timeout": 60, "check_same_thread": False},
+            pool_size=16,
+            max_overflow=240,
+            pool_timeout=120,
+        )
         sa.event.listen(engine, "connect", _sqlite_pragmas)
     else:
         engine = sa.create_engine(
-            url, pool_pre_ping=True, pool_size=8, max_overflow=64, pool_recycle=1800
+            url, pool_pre_ping=True, pool_size=8, max_overflow=64, pool_recycle=1800,
+            pool_timeout=120,
         )
     try:
         metadata.create_all(engine)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import socket
 
@@ -20,5 +21,9 @@ def run_worker(args: argparse.Namespace) -> int:
         "--without-gossip",
         "--without-mingle",
     ]
+    # One line per task received and per task done is noise at hundreds of tasks a second;
+    # `datagen status` is the progress view. Failures and retries still log.
+    for name in ("celery.app.trace", "celery.worker.strategy"):
+        logging.getLogger(name).setLevel(logging.WARNING)
     app.worker_main(argv)
     return 0
