@@ -36,7 +36,7 @@ def sample_of(payload: dict[str, Any]) -> tuple[str, str] | None:
         return None
 
 
-def _queued(client: redis.Redis, lists: tuple[str, ...]) -> Iterator[bytes]:
+def _queued(client: redis.Redis, lists: tuple[str, ...]) -> Iterator[Any]:
     for key in lists:
         for start in range(0, int(client.llen(key)), _CHUNK):
             yield from client.lrange(key, start, start + _CHUNK - 1)

@@ -12,6 +12,7 @@ import redis
 from common import ledger_scripts as lua
 from common.budget import Budget
 from common.keys import DATASETS, DatasetKeys, dataset_keys
+from common.replies import text, texts
 
 
 class Charge(IntEnum):
@@ -79,7 +80,7 @@ class Ledger:
 
     def configure(self, name: str, budget: Budget) -> CloseResult:
         self.redis.sadd(DATASETS, name)
-        args = [budget.tokens, budget.basis, budget.policy, time.time()]
+        args: list[str | int | float] = [budget.tokens, budget.basis, budget.policy, time.time()]
         closed_now, purged, _used = self._configure(keys=_keys(dataset_keys(name)), args=args)
         return CloseResult(bool(closed_now), int(purged))
 
@@ -94,7 +95,8 @@ class Ledger:
     def charge(
         self, name: str, sample_id: str, rid: str, prompt_tokens: int, completion_tokens: int
     ) -> ChargeResult:
-        args = [sample_id, rid, prompt_tokens, completion_tokens, time.time()]
+        args: list[str | int | float] = [sample_id, rid, prompt_tokens, completion_tokens,
+                                         time.time()]
         status, kept, used, crossed, purged = self._charge(
             keys=_keys(dataset_keys(name)), args=args
         )
@@ -112,7 +114,8 @@ class Ledger:
 
     def absorb(self, name: str, costs: Iterable[tuple[str, int]], chunk: int = 2000) -> int:
         """Charge stored results the ledger lacks (reconcile from SQL); returns tokens added."""
-        keys, added, batch = _keys(dataset_keys(name)), 0, []
+        keys, added = _keys(dataset_keys(name)), 0
+        batch: list[str | int] = []
         for sample_id, cost in costs:
             batch += [sample_id, cost]
             if len(batch) >= 2 * chunk:
@@ -123,22 +126,23 @@ class Ledger:
         return added
 
     def is_closed(self, name: str) -> bool:
-        return self.redis.hget(dataset_keys(name).ledger, "state") == b"closed"
+        return text(self.redis.hget(dataset_keys(name).ledger, "state")) == "closed"
 
     def known(self) -> list[str]:
-        return sorted(m.decode() for m in self.redis.smembers(DATASETS))
+        return sorted(texts(self.redis.smembers(DATASETS)))
 
     def inflight_rids(self, name: str) -> list[str]:
-        return [r.decode() for r in self.redis.hkeys(dataset_keys(name).inflight)]
+        return texts(self.redis.hkeys(dataset_keys(name).inflight))
 
     def state(self, name: str) -> LedgerState:
         ds = dataset_keys(name)
         pipe = self.redis.pipeline(transaction=False)
-        pipe.hgetall(ds.ledger).hlen(ds.inflight)
+        pipe.hgetall(ds.ledger)
+        pipe.hlen(ds.inflight)
         for q in ds.queue_lists:
             pipe.llen(q)
         raw, inflight, *lens = pipe.execute()
-        h = {k.decode(): v.decode() for k, v in raw.items()}
+        h = {text(k): text(v) for k, v in raw.items()}
         return LedgerState(
             name=name,
             used_tokens=int(h.get("used", 0)),

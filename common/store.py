@@ -71,6 +71,13 @@ def _dataset_row(r: sa.Row[Any]) -> DatasetRow:
     )
 
 
+def _cost(budget: Budget) -> sa.ColumnElement[int]:
+    """A result's tokens on the dataset's budget basis, as SQL."""
+    if budget.basis == "total":
+        return results.c.completion_tokens + results.c.prompt_tokens
+    return results.c.completion_tokens
+
+
 class Store:
     def __init__(self, url: str) -> None:
         self.url = url
@@ -257,10 +264,7 @@ class Store:
         self, dataset: str, budget: Budget, sample_ids: Sequence[str] | None = None
     ) -> Iterator[tuple[str, int]]:
         """(sample_id, tokens on the dataset's basis) of stored results, all or the given."""
-        cost = results.c.completion_tokens
-        if budget.basis == "total":
-            cost = cost + results.c.prompt_tokens
-        q = sa.select(results.c.sample_id, cost).where(results.c.dataset == dataset)
+        q = sa.select(results.c.sample_id, _cost(budget)).where(results.c.dataset == dataset)
         if sample_ids is not None:
             q = q.where(results.c.sample_id.in_(list(sample_ids)))
         with self.engine.connect() as conn:
@@ -268,9 +272,7 @@ class Store:
                 yield sid, int(tokens)
 
     def used_tokens(self, dataset: str, budget: Budget) -> int:
-        cost = results.c.completion_tokens
-        if budget.basis == "total":
-            cost = cost + results.c.prompt_tokens
-        q = sa.select(sa.func.coalesce(sa.func.sum(cost), 0)).where(results.c.dataset == dataset)
+        total = sa.func.coalesce(sa.func.sum(_cost(budget)), 0)
+        q = sa.select(total).where(results.c.dataset == dataset)
         with self.engine.connect() as conn:
             return int(conn.scalar(q) or 0)

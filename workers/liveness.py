@@ -24,6 +24,7 @@ from celery import Celery
 from common.audit import requeue_lost
 from common.keys import REAPER_LOCK, SWEEPER_LOCK, WORKERS, dataset_of_queue, worker_tags
 from common.publish import Publisher
+from common.replies import texts
 from workers.context import get_context
 
 log = logging.getLogger(__name__)
@@ -36,7 +37,7 @@ def track(client: redis.Redis, worker: str, tag: str) -> None:
 
 def prune(client: redis.Redis, worker: str, unacked_key: str) -> None:
     """Forget tags already acked (their messages left the transport's unacked hash)."""
-    tags = [t.decode() for t in client.smembers(worker_tags(worker))]
+    tags = texts(client.smembers(worker_tags(worker)))
     gone = [t for t, held in zip(tags, _exists(client, unacked_key, tags), strict=True)
             if not held]
     if gone:
@@ -44,7 +45,7 @@ def prune(client: redis.Redis, worker: str, unacked_key: str) -> None:
 
 
 def dead_workers(client: redis.Redis, now: float, dead_after_s: float) -> list[str]:
-    return [w.decode() for w in client.zrangebyscore(WORKERS, "-inf", now - dead_after_s)]
+    return texts(client.zrangebyscore(WORKERS, "-inf", now - dead_after_s))
 
 
 def reap(app: Celery, client: redis.Redis, dead_after_s: float) -> int:
@@ -68,12 +69,11 @@ def reap(app: Celery, client: redis.Redis, dead_after_s: float) -> int:
 
 
 def _restore_orphans(channel: Any, client: redis.Redis, delivered_before: float) -> int:
-    old = [t.decode() for t in client.zrangebyscore(
-        channel.unacked_index_key, "-inf", delivered_before)]
+    old = texts(client.zrangebyscore(channel.unacked_index_key, "-inf", delivered_before))
     if not old:
         return 0
-    live = [worker_tags(w.decode()) for w in client.zrange(WORKERS, 0, -1)]
-    held = {t.decode() for t in client.sunion(live)} if live else set()
+    live = [worker_tags(w) for w in texts(client.zrange(WORKERS, 0, -1))]
+    held = set(texts(client.sunion(live))) if live else set()
     restored = 0
     for tag in old:
         if tag not in held and _ours(client.hget(channel.unacked_key, tag)):
@@ -83,7 +83,7 @@ def _restore_orphans(channel: Any, client: redis.Redis, delivered_before: float)
     return restored
 
 
-def _ours(entry: bytes | None) -> bool:
+def _ours(entry: Any) -> bool:
     """Only datagen's own queues: other apps may share the Redis database."""
     if entry is None:
         return False
