@@ -14,7 +14,7 @@ import pytest
 import redis
 import requests
 
-from common.keys import worker_tags
+from common.keys import WORKERS, worker_tags
 from common.ledger import Ledger
 from common.settings import Settings
 from common.store import Store
@@ -48,7 +48,9 @@ def start_worker(settings: Settings, name: str, log: Path) -> subprocess.Popen[b
 
 
 def held_unacked(client: redis.Redis, worker: str) -> set[str]:
-    tags = {t.decode() for t in client.smembers(worker_tags(f"{worker}@localhost"))}
+    names = [n.decode() for n in client.zrange(WORKERS, 0, -1)]
+    mine = [n for n in names if n.startswith(f"{worker}@localhost/")]
+    tags = {t.decode() for n in mine for t in client.smembers(worker_tags(n))}
     return {t for t in tags if client.hexists("unacked", t)}
 
 

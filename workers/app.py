@@ -7,6 +7,7 @@ one process with 64 threads fits where 64 prefork children would not.
 from __future__ import annotations
 
 import logging
+import os
 from typing import Any
 
 import redis
@@ -47,6 +48,11 @@ def _ours(app: Any) -> bool:
     return isinstance(app, Celery) and hasattr(app, "datagen_settings")
 
 
+def liveness_id(consumer: Any) -> str:
+    """Node name and pid: two `celery worker`s started on one host without -n share a name."""
+    return f"{consumer.hostname}/{os.getpid()}"
+
+
 def _redis(app: Celery) -> redis.Redis:
     return get_context(app).ledger.redis
 
@@ -65,7 +71,7 @@ def _prepare_on_start(sender: Any = None, **_: Any) -> None:
 def _start_heartbeat(sender: Any = None, **_: Any) -> None:
     if _ours(getattr(sender, "app", None)):
         conf = sender.app.datagen_settings
-        beat = Heartbeat(sender.app, _redis(sender.app), sender.hostname, conf.heartbeat_s,
+        beat = Heartbeat(sender.app, _redis(sender.app), liveness_id(sender), conf.heartbeat_s,
                          conf.dead_after_s)
         sender.app.datagen_heartbeat = beat
         beat.start()
@@ -83,4 +89,4 @@ def _track(sender: Any = None, request: Any = None, **_: Any) -> None:
     if _ours(getattr(sender, "app", None)) and request is not None:
         tag = getattr(getattr(request, "message", None), "delivery_tag", None)
         if tag:
-            track(_redis(sender.app), sender.hostname, tag)
+            track(_redis(sender.app), liveness_id(sender), tag)
