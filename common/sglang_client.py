@@ -110,12 +110,17 @@ class SGLangClient:
         self._local = threading.local()
         self._headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self._models: dict[str, str] = {}
+        self._proxies = requests.utils.get_environ_proxies(urls[0]) if urls else {}
 
     def _session(self) -> requests.Session:
         session = getattr(self._local, "session", None)
         if session is None:
             session = requests.Session()
             session.headers.update(self._headers)
+            # Proxy settings are read from the environment once, here, instead of on every
+            # request (requests' trust_env walks the environment and netrc each time).
+            session.trust_env = False
+            session.proxies = self._proxies
             self._local.session = session
         return session
 

@@ -17,7 +17,7 @@ from common.celery_app import make_celery
 from common.reconcile import reconcile_all
 from common.settings import Settings
 from workers.context import get_context
-from workers.liveness import Heartbeat, track
+from workers.liveness import Heartbeat, Received
 from workers.queues import DatasetQueues
 from workers.tasks import register_tasks
 
@@ -28,6 +28,7 @@ def create_app(settings: Settings) -> Celery:
     app = make_celery(settings, main="datagen-worker")
     app.conf.update(worker_pool="threads", worker_concurrency=settings.concurrency)
     app.datagen_settings = settings  # type: ignore[attr-defined]
+    app.datagen_received = Received()  # type: ignore[attr-defined]
     register_tasks(app, settings)
     app.steps["consumer"].add(DatasetQueues)
     return app
@@ -71,8 +72,8 @@ def _prepare_on_start(sender: Any = None, **_: Any) -> None:
 def _start_heartbeat(sender: Any = None, **_: Any) -> None:
     if _ours(getattr(sender, "app", None)):
         conf = sender.app.datagen_settings
-        beat = Heartbeat(sender.app, _redis(sender.app), liveness_id(sender), conf.heartbeat_s,
-                         conf.dead_after_s)
+        beat = Heartbeat(sender.app, _redis(sender.app), liveness_id(sender),
+                         sender.app.datagen_received, conf.heartbeat_s, conf.dead_after_s)
         sender.app.datagen_heartbeat = beat
         beat.start()
 
@@ -89,4 +90,4 @@ def _track(sender: Any = None, request: Any = None, **_: Any) -> None:
     if _ours(getattr(sender, "app", None)) and request is not None:
         tag = getattr(getattr(request, "message", None), "delivery_tag", None)
         if tag:
-            track(_redis(sender.app), liveness_id(sender), tag)
+            sender.app.datagen_received.add(tag)

@@ -22,6 +22,7 @@ import redis
 from celery import Celery
 
 from common.audit import requeue_lost
+from common.errors import ConfigError
 from common.keys import REAPER_LOCK, SWEEPER_LOCK, WORKERS, dataset_of_queue, worker_tags
 from common.publish import Publisher
 from common.replies import texts
@@ -31,8 +32,25 @@ log = logging.getLogger(__name__)
 SWEEP_EVERY_S = 300.0
 
 
-def track(client: redis.Redis, worker: str, tag: str) -> None:
-    client.sadd(worker_tags(worker), tag)
+class Received:
+    """Delivery tags received since the last heartbeat, recorded in Redis by the next one.
+
+    Buffering keeps a Redis round trip off the consumer's hot path. It is safe because a
+    message is an orphan only once unacked for ``dead_after_s``, well above a heartbeat.
+    """
+
+    def __init__(self) -> None:
+        self._tags: list[str] = []
+        self._lock = threading.Lock()
+
+    def add(self, tag: str) -> None:
+        with self._lock:
+            self._tags.append(tag)
+
+    def drain(self) -> list[str]:
+        with self._lock:
+            tags, self._tags = self._tags, []
+        return tags
 
 
 def prune(client: redis.Redis, worker: str, unacked_key: str) -> None:
@@ -105,9 +123,20 @@ class Heartbeat:
     """Beats for one worker and reaps the others, on a daemon thread."""
 
     def __init__(
-        self, app: Celery, client: redis.Redis, worker: str, interval_s: float, dead_after_s: float
+        self,
+        app: Celery,
+        client: redis.Redis,
+        worker: str,
+        received: Received,
+        interval_s: float,
+        dead_after_s: float,
     ) -> None:
-        self.app, self.client, self.worker = app, client, worker
+        if interval_s * 2 >= dead_after_s:
+            raise ConfigError(
+                f"DATAGEN_DEAD_AFTER_S ({dead_after_s}) must be above twice "
+                f"DATAGEN_HEARTBEAT_S ({interval_s}), or live workers would look dead"
+            )
+        self.app, self.client, self.worker, self.received = app, client, worker, received
         self.interval_s, self.dead_after_s = interval_s, dead_after_s
         self._next_sweep = time.monotonic() + SWEEP_EVERY_S
         self._stop = threading.Event()
@@ -131,6 +160,9 @@ class Heartbeat:
         while True:
             try:
                 self.client.zadd(WORKERS, {self.worker: time.time()})
+                tags = self.received.drain()
+                if tags:
+                    self.client.sadd(worker_tags(self.worker), *tags)
                 prune(self.client, self.worker, self._unacked_key())
                 restored = reap(self.app, self.client, self.dead_after_s)
                 if restored:
