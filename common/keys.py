@@ -8,6 +8,7 @@ No other module spells a key string; tests import these functions too.
     datagen:ds:{name}:ledger              hash    Lua only (ledger.py)            none
         used           tokens charged so far on the dataset's basis
         samples        samples charged so far
+        sumsq          sum of squared sample costs (admission's spread estimate)
         budget         budget in tokens
         basis          "output" | "total"
         policy         "drain" | "abort" | "exact"

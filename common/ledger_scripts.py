@@ -65,6 +65,7 @@ local cost = fixed + completion
 redis.call('HSET', KEYS[2], sid, cost)
 used = redis.call('HINCRBY', KEYS[1], 'used', cost)
 redis.call('HINCRBY', KEYS[1], 'samples', 1)
+redis.call('HINCRBY', KEYS[1], 'sumsq', cost * cost)
 local crossed, purged = 0, 0
 if (not closed) and budget > 0 and used >= budget then
   crossed = 1
@@ -81,6 +82,7 @@ RECHARGE = """
 local prev = tonumber(redis.call('HGET', KEYS[2], ARGV[1]) or '0')
 local cost = tonumber(ARGV[2])
 redis.call('HSET', KEYS[2], ARGV[1], cost)
+redis.call('HINCRBY', KEYS[1], 'sumsq', cost * cost - prev * prev)
 return redis.call('HINCRBY', KEYS[1], 'used', cost - prev)
 """
 
@@ -89,6 +91,9 @@ return redis.call('HINCRBY', KEYS[1], 'used', cost - prev)
 # Returns {status, expected}: 1 = admitted (rid now in flight), 0 = closed,
 #   2 = wait: used + the expected output of requests in flight already reach the budget,
 #   3 = unknown: the ledger has no terms (Redis lost them): reconcile from SQL first.
+# A request in flight is expected to cost the mean plus one standard deviation of the
+# samples charged so far: outputs are long-tailed, and the requests still running when a
+# budget is crossed are the long ones, so reserving only the mean lets drain overshoot.
 # A request is always admitted when nothing is in flight, so a dataset whose requests
 # finish short keeps moving.
 ADMIT = (
@@ -98,7 +103,12 @@ if redis.call('HGET', KEYS[1], 'state') == 'closed' then return {0, 0} end
 if not redis.call('HGET', KEYS[1], 'budget') then return {3, 0} end
 local used, budget, samples = num('used'), num('budget'), num('samples')
 local expected = tonumber(ARGV[3])
-if samples > 0 then expected = math.floor(used / samples) end
+if samples > 0 then
+  local mean = used / samples
+  local var = num('sumsq') / samples - mean * mean
+  if var < 0 then var = 0 end
+  expected = math.floor(mean + math.sqrt(var))
+end
 if redis.call('HGET', KEYS[1], 'basis') ~= 'total' then
   expected = math.min(expected, tonumber(ARGV[2]))
 end
@@ -171,16 +181,17 @@ return 1
 # Adds stored results the ledger does not know (SQL is the source of truth); charges it
 # already holds are left alone, so this is safe while workers run. Returns tokens added.
 ABSORB = """
-local added, n = 0, 0
+local added, n, sumsq = 0, 0, 0
 for i = 1, #ARGV, 2 do
   if redis.call('HSETNX', KEYS[2], ARGV[i], ARGV[i + 1]) == 1 then
-    added = added + tonumber(ARGV[i + 1])
-    n = n + 1
+    local cost = tonumber(ARGV[i + 1])
+    added, n, sumsq = added + cost, n + 1, sumsq + cost * cost
   end
 end
-if added > 0 or n > 0 then
+if n > 0 then
   redis.call('HINCRBY', KEYS[1], 'used', added)
   redis.call('HINCRBY', KEYS[1], 'samples', n)
+  redis.call('HINCRBY', KEYS[1], 'sumsq', sumsq)
 end
 return added
 """

@@ -117,3 +117,15 @@ def test_recharge_reprices_a_sample(ledger: Ledger) -> None:
     ledger.configure("ds", Budget(10_000))
     ledger.charge("ds", "s1", "r1", 0, 100)
     assert ledger.recharge("ds", "s1", 130) == 130
+
+
+def test_admission_reserves_mean_plus_one_standard_deviation(ledger: Ledger) -> None:
+    ledger.configure("ds", Budget(100_000))
+    ledger.charge("ds", "s1", "r1", 0, 100)
+    ledger.charge("ds", "s2", "r2", 0, 300)  # mean 200, standard deviation 100
+    assert ledger.admit("ds", "r3", 10_000, 50) is Admission.ADMITTED
+    assert ledger.state("ds").reserved_tokens == 300
+    ledger.absorb("ds", [("s4", 200)])  # reconciled samples count in the spread too
+    ledger.release("ds", "r3")
+    ledger.admit("ds", "r5", 10_000, 50)
+    assert ledger.state("ds").reserved_tokens == 281  # mean 200, sd sqrt(6666.7) = 81.6
