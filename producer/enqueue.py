@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -62,15 +63,20 @@ class Enqueuer:
         self.publisher = Publisher(app)
         self.limits = limits
         self.progress = progress or (lambda n: None)
+        self._tokenizing = ThreadPoolExecutor(max_workers=1)
 
     def run(self, plans: list[DatasetPlan]) -> list[DatasetSummary]:
+        self._tokenizing = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenize")
         summaries = [DatasetSummary(p.name) for p in plans]
         streams = [self._dataset(p, s) for p, s in zip(plans, summaries, strict=True)]
         # Round-robin over datasets, one chunk each, so every queue fills from the start.
-        while streams:
-            for stream in list(streams):
-                if next(stream, None) is None:
-                    streams.remove(stream)
+        try:
+            while streams:
+                for stream in list(streams):
+                    if next(stream, None) is None:
+                        streams.remove(stream)
+        finally:
+            self._tokenizing.shutdown(wait=True, cancel_futures=True)
         self.publisher.announce([p.name for p in plans])
         return summaries
 
@@ -102,13 +108,19 @@ class Enqueuer:
         states = self.store.prompt_states(plan.name)
         in_redis = queued_in_redis(self.ledger.redis, plan.name)
         report = ReadReport(dataset=plan.name, files=[str(f) for f in plan.files])
-        stamp = ds.stamp
         records = read_dataset(plan.name, plan.files, report)
-        for chunk in iter(lambda: list(itertools.islice(records, CHUNK)), []):
-            to_send = self._store_chunk(plan, chunk, states, in_redis, summary)
+        chunks = iter(lambda: list(itertools.islice(records, CHUNK)), [])
+        ahead = self._encode_ahead(next(chunks, None), states)
+        while ahead is not None:
+            chunk, fresh, encoded = ahead
+            # Tokenization releases the GIL: the next chunk's runs while this one is stored
+            # and published.
+            ahead = self._encode_ahead(next(chunks, None), states)
+            to_send = self._settle(chunk, states, in_redis, summary)
+            to_send += self._store_fresh(plan, fresh, encoded.result(), states, summary)
             summary.closed = self.ledger.is_closed(plan.name)
             if to_send and not summary.closed:
-                self.publisher.publish(plan.name, stamp, to_send)
+                self.publisher.publish(plan.name, ds.stamp, to_send)
                 summary.enqueued += len(to_send)
             self.progress(len(chunk))
             yield True
@@ -116,16 +128,21 @@ class Enqueuer:
         summary.read, summary.bad, summary.duplicates = report.read, report.bad, report.duplicates
         summary.problems = list(report.problems)
 
-    def _store_chunk(
-        self,
-        plan: DatasetPlan,
-        chunk: list[PromptRecord],
-        states: dict[str, str],
-        in_redis: set[str],
+    def _encode_ahead(
+        self, chunk: list[PromptRecord] | None, states: dict[str, str]
+    ) -> tuple[list[PromptRecord], list[PromptRecord], Future[list[list[int]]]] | None:
+        if chunk is None:
+            return None
+        fresh = [r for r in chunk if r.sample_id not in states]
+        convs = [list(r.messages) for r in fresh]
+        return chunk, fresh, self._tokenizing.submit(self.templater.encode_batch, convs)
+
+    @staticmethod
+    def _settle(
+        chunk: list[PromptRecord], states: dict[str, str], in_redis: set[str],
         summary: DatasetSummary,
     ) -> list[str]:
-        """Store the chunk's new prompts; return the sample ids that need a message."""
-        fresh = [r for r in chunk if r.sample_id not in states]
+        """Count the chunk's prompts stored before; return those whose message Redis lost."""
         to_send = []
         for r in chunk:
             state = states.get(r.sample_id)
@@ -139,8 +156,16 @@ class Enqueuer:
                 summary.already_queued += 1
             elif state == "queued":
                 to_send.append(r.sample_id)
-        rows = self._prompt_rows(plan, fresh)
+        return to_send
+
+    def _store_fresh(
+        self, plan: DatasetPlan, fresh: list[PromptRecord], ids: list[list[int]],
+        states: dict[str, str], summary: DatasetSummary,
+    ) -> list[str]:
+        """Store new prompts; return the sample ids that need a message."""
+        rows = self._prompt_rows(plan, fresh, ids)
         self.store.insert_prompts(rows)
+        to_send = []
         for row in rows:
             states[row["sample_id"]] = row["state"]
             if row["state"] == "queued":
@@ -149,10 +174,9 @@ class Enqueuer:
                 summary.skipped += 1
         return to_send
 
-    def _prompt_rows(self, plan: DatasetPlan, fresh: list[PromptRecord]) -> list[dict[str, Any]]:
-        if not fresh:
-            return []
-        ids = self.templater.encode_batch([list(r.messages) for r in fresh])
+    def _prompt_rows(
+        self, plan: DatasetPlan, fresh: list[PromptRecord], ids: list[list[int]]
+    ) -> list[dict[str, Any]]:
         max_seq = self.limits.max_seq_len
         rows = []
         for record, input_ids in zip(fresh, ids, strict=True):
