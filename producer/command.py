@@ -73,12 +73,37 @@ def run_enqueue(args: argparse.Namespace, settings: Settings) -> int:
         console=console, disable=args.quiet or not console.is_terminal,
     ) as bar:
         task = bar.add_task("lines", total=total)
+        lines = LineProgress(total, quiet=args.quiet or console.is_terminal)
+
+        def advance(n: int) -> None:
+            bar.advance(task, n)
+            lines.advance(n)
+
         enqueuer = Enqueuer(store, ledger, app, templater, Limits(args.max_seq_len),
-                            progress=lambda n: bar.advance(task, n))
+                            progress=advance)
         summaries = enqueuer.run(plans)
     elapsed = time.monotonic() - started
     print_summary(summaries, elapsed)
     return 0
+
+
+class LineProgress:
+    """Progress as a line every few seconds, for logs (compose, CI) where no bar can draw."""
+
+    def __init__(self, total: int, quiet: bool, every_s: float = 5.0) -> None:
+        self.total, self.quiet, self.every_s = total, quiet, every_s
+        self.done, self.started = 0, time.monotonic()
+        self.next_at = self.started + every_s
+
+    def advance(self, n: int) -> None:
+        self.done += n
+        now = time.monotonic()
+        if self.quiet or now < self.next_at:
+            return
+        self.next_at = now + self.every_s
+        rate = self.done / (now - self.started)
+        print(f"enqueue: {self.done:,} of {self.total:,} lines ({rate:,.0f}/s)",
+              file=sys.stderr, flush=True)
 
 
 def print_summary(summaries: list[DatasetSummary], elapsed_s: float) -> None:
