@@ -3,7 +3,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install demo test lint typecheck compose-check clean
+.PHONY: install demo test lint typecheck compose-check bench reliability clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -30,6 +30,14 @@ lint: $(STAMP)
 ## docker-compose.yml as Compose reads it (needs Debian's docker-compose, no engine).
 compose-check:
 	docker-compose --env-file .env.example -f docker-compose.yml config -q
+
+## Benchmarks (prints tables; writes nothing in the repo): see docs/PERFORMANCE.md.
+bench: $(STAMP)
+	$(PY) -m ops.bench
+
+## Fault scenarios at scale; rewrites docs/RELIABILITY.md.
+reliability: $(STAMP)
+	$(PY) -m ops.reliability
 
 typecheck: $(STAMP)
 	$(PY) -m mypy

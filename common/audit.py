@@ -17,7 +17,9 @@ from typing import Any
 import redis
 
 from common.keys import dataset_keys, dataset_of_queue
+from common.ledger import Ledger
 from common.publish import Publisher
+from common.reconcile import reconcile_dataset
 from common.store import Store
 
 UNACKED = "unacked"  # kombu's Redis transport default (no global_keyprefix)
@@ -61,7 +63,8 @@ def queued_in_redis(client: redis.Redis, dataset: str) -> set[str]:
 def requeue_lost(
     store: Store, client: redis.Redis, publisher: Publisher, quiet_for_s: float = 300.0
 ) -> dict[str, int]:
-    """Publish again every open dataset's prompts that SQL holds as queued and Redis lost.
+    """Rebuild every ledger from SQL, then publish again every open dataset's prompts that
+    SQL holds as queued and Redis lost.
 
     Only prompts untouched for ``quiet_for_s`` count, so one the producer has stored but
     not yet published is never mistaken for lost. Duplicates are harmless: the ledger and
@@ -69,8 +72,13 @@ def requeue_lost(
     """
     cutoff = datetime.now(UTC) - timedelta(seconds=quiet_for_s)
     requeued = {}
-    for ds in store.datasets():
-        if ds.state == "closed":
+    ledger = Ledger(client)
+    for name in store.dataset_names():
+        # A Redis that lost the messages lost the ledger too: rebuild it first, so budgets
+        # and closes hold before anything is published again.
+        reconcile_dataset(store, ledger, name)
+        ds = store.dataset(name)
+        if ds.state == "closed" or ledger.is_closed(name):
             continue
         queued = store.sample_ids(ds.name, "queued", updated_before=cutoff)
         lost = sorted(set(queued) - queued_in_redis(client, ds.name)) if queued else []

@@ -77,12 +77,15 @@ def _plan_from_table(
                            *SAMPLING_KEYS}
     if unknown:
         raise ConfigError(f"{where}: unknown keys {', '.join(sorted(unknown))}")
-    terms = replace(
-        budget,
-        tokens=parse_budget_tokens(spec.get("budget_tokens", budget.tokens)),
-        policy=spec.get("policy", budget.policy),
-        basis=spec.get("basis", budget.basis),
-    )
+    try:
+        terms = replace(
+            budget,
+            tokens=parse_budget_tokens(spec.get("budget_tokens", budget.tokens)),
+            policy=spec.get("policy", budget.policy),
+            basis=spec.get("basis", budget.basis),
+        )
+    except ConfigError as exc:
+        raise ConfigError(f"{where}: {exc}") from None
     overrides = {k: spec[k] for k in SAMPLING_KEYS if k in spec}
     max_new_tokens = int(spec.get("max_new_tokens", max_new))
     return DatasetPlan(name, tuple(files), terms, {**sampling, **overrides}, max_new_tokens)

@@ -13,6 +13,7 @@ import uuid
 from enum import StrEnum
 from typing import Any
 
+import redis
 from sqlalchemy.exc import OperationalError
 
 from common.closing import after_close
@@ -59,21 +60,34 @@ def run_sample(ctx: WorkerContext, dataset: str, sample_id: str) -> Outcome:
     if prompt.state != "queued":
         return _settle_finished(ctx, dataset, prompt)
     rid = new_rid(dataset)
+    try:
+        return _generate(ctx, prompt, rid)
+    except BaseException:
+        # Whatever failed after ADMIT may have run (an answer lost to a reset connection):
+        # free the reservation, or the dataset's admission would count it for good.
+        _release_quietly(ctx, dataset, rid)
+        raise
+
+
+def _generate(ctx: WorkerContext, prompt: PromptRow, rid: str) -> Outcome:
     admission = _admit(ctx, prompt, rid)
     if admission is Admission.CLOSED:
         return Outcome.CLOSED
     if admission is not Admission.ADMITTED:
         return Outcome.WAIT
-    ds = ctx.dataset(dataset)
-    try:
-        server = ctx.client.pick_server()
-        completion = ctx.client.generate(server, rid, prompt.input_ids, sampling_params(ds, prompt))
-    except BaseException:
-        ctx.ledger.release(dataset, rid)
-        raise
+    ds = ctx.dataset(prompt.dataset)
+    server = ctx.client.pick_server()
+    completion = ctx.client.generate(server, rid, prompt.input_ids, sampling_params(ds, prompt))
     if completion.finish_type == "abort":
-        return _aborted(ctx, dataset, sample_id, rid, completion)
-    return keep(ctx, ds, sample_id, completion)
+        return _aborted(ctx, prompt.dataset, prompt.sample_id, rid, completion)
+    return keep(ctx, ds, prompt.sample_id, completion)
+
+
+def _release_quietly(ctx: WorkerContext, dataset: str, rid: str) -> None:
+    try:
+        ctx.ledger.release(dataset, rid)
+    except redis.RedisError:
+        log.warning("could not release %s's reservation %s; Redis does not answer", dataset, rid)
 
 
 def _admit(ctx: WorkerContext, prompt: PromptRow, rid: str) -> Admission:

@@ -5,7 +5,9 @@ from __future__ import annotations
 import logging
 import random
 
+import redis
 from celery import Celery, Task
+from sqlalchemy import exc as sa_exc
 
 from common.celery_app import GENERATE_TASK
 from common.errors import PermanentError, ServerUnreachable, TransientError
@@ -16,6 +18,7 @@ from workers.pipeline import Outcome, run_sample
 log = logging.getLogger(__name__)
 # How long a task waits for its dataset's in-flight requests when admission says "wait".
 ADMISSION_WAIT_S = 2.0
+INFRASTRUCTURE_ERRORS = (redis.RedisError, sa_exc.OperationalError, sa_exc.InterfaceError)
 # A server that refuses connections is retried at a steady, capped pace until it is back.
 UNREACHABLE_BACKOFF_STEP = 4
 
@@ -29,31 +32,43 @@ def backoff_s(settings: Settings, attempt: int, hint_s: float = 0.0) -> float:
 def register_tasks(app: Celery, settings: Settings) -> Task:
     @app.task(name=GENERATE_TASK, bind=True, max_retries=None, acks_late=True, shared=False)
     def generate(self: Task, dataset: str, sample_id: str) -> str:
-        ctx = get_context(app)
         try:
-            outcome = run_sample(ctx, dataset, sample_id)
-        except ServerUnreachable as exc:
-            attempts = ctx.store.record_attempt(dataset, sample_id, str(exc), count=False)
+            return _attempt(self, get_context(app), settings, dataset, sample_id)
+        except INFRASTRUCTURE_ERRORS as exc:
+            # Redis or the database did not answer: nothing about the sample is known to be
+            # wrong, so it waits and tries again, uncounted, rather than being acked and lost.
             delay = backoff_s(settings, UNREACHABLE_BACKOFF_STEP)
-            log.warning("%s/%s: %s; retry in %.1fs (not counted as an attempt)",
-                        dataset, sample_id, exc, delay)
+            log.warning("%s/%s: %s: %s; retry in %.1fs (not counted as an attempt)",
+                        dataset, sample_id, type(exc).__name__, exc, delay)
             raise self.retry(countdown=delay) from None
-        except TransientError as exc:
-            attempts = ctx.store.record_attempt(dataset, sample_id, str(exc))
-            if attempts >= settings.max_attempts:
-                return _fail(ctx, dataset, sample_id, f"after {attempts} attempts: {exc}")
-            delay = backoff_s(settings, attempts, exc.delay_s)
-            log.info("%s/%s attempt %d failed (%s); retry in %.1fs",
-                     dataset, sample_id, attempts, exc, delay)
-            raise self.retry(countdown=delay) from None
-        except PermanentError as exc:
-            ctx.store.record_attempt(dataset, sample_id, str(exc))
-            return _fail(ctx, dataset, sample_id, str(exc))
-        if outcome is Outcome.WAIT:
-            raise self.retry(countdown=ADMISSION_WAIT_S * random.uniform(1, 1.5))
-        return outcome.value
 
     return generate
+
+
+def _attempt(task: Task, ctx: WorkerContext, settings: Settings, dataset: str,
+             sample_id: str) -> str:
+    try:
+        outcome = run_sample(ctx, dataset, sample_id)
+    except ServerUnreachable as exc:
+        ctx.store.record_attempt(dataset, sample_id, str(exc), count=False)
+        delay = backoff_s(settings, UNREACHABLE_BACKOFF_STEP)
+        log.warning("%s/%s: %s; retry in %.1fs (not counted as an attempt)",
+                    dataset, sample_id, exc, delay)
+        raise task.retry(countdown=delay) from None
+    except TransientError as exc:
+        attempts = ctx.store.record_attempt(dataset, sample_id, str(exc))
+        if attempts >= settings.max_attempts:
+            return _fail(ctx, dataset, sample_id, f"after {attempts} attempts: {exc}")
+        delay = backoff_s(settings, attempts, exc.delay_s)
+        log.info("%s/%s attempt %d failed (%s); retry in %.1fs",
+                 dataset, sample_id, attempts, exc, delay)
+        raise task.retry(countdown=delay) from None
+    except PermanentError as exc:
+        ctx.store.record_attempt(dataset, sample_id, str(exc))
+        return _fail(ctx, dataset, sample_id, str(exc))
+    if outcome is Outcome.WAIT:
+        raise task.retry(countdown=ADMISSION_WAIT_S * random.uniform(1, 1.5))
+    return outcome.value
 
 
 def _fail(ctx: WorkerContext, dataset: str, sample_id: str, error: str) -> str:

@@ -1,0 +1,50 @@
+"""The overhead baseline: a bare Celery task that only makes the pipeline's HTTP call.
+
+Same app options (``common.celery_app.celery_config``), same task name and queues, same
+messages (the real producer publishes them), threads pool at the same concurrency. The
+task posts the same ``/generate`` body the pipeline would (ids loaded at start from
+``DATAGEN_BENCH_PAYLOADS``), parses the JSON answer and returns: no SQL, no ledger.
+
+    celery -A ops.bench.bare_worker worker --pool=threads -c 64 -Q datagen.q.B1,...
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+import uuid
+from typing import Any
+
+import requests
+from celery import Task
+
+from common.celery_app import GENERATE_TASK, make_celery
+from common.settings import Settings
+
+settings = Settings.from_env()
+app = make_celery(settings, main="bench-bare")
+app.conf.update(worker_pool="threads", worker_concurrency=settings.concurrency)
+_PAYLOADS: dict[str, Any] = json.loads(
+    open(os.environ["DATAGEN_BENCH_PAYLOADS"], encoding="utf-8").read()  # noqa: SIM115
+) if os.environ.get("DATAGEN_BENCH_PAYLOADS") else {}
+_local = threading.local()
+_SERVER = settings.sglang_urls[0]
+
+
+def _session() -> requests.Session:
+    session = getattr(_local, "session", None)
+    if session is None:
+        session = _local.session = requests.Session()
+    return session
+
+
+@app.task(name=GENERATE_TASK, bind=True, acks_late=True, shared=False)
+def generate(self: Task, dataset: str, sample_id: str) -> int:
+    p = _PAYLOADS[f"{dataset}/{sample_id}"]
+    body = {"rid": f"{uuid.uuid4().hex}-{dataset}", "input_ids": p["input_ids"],
+            "sampling_params": p["sampling"], "stream": False}
+    resp = _session().post(f"{_SERVER}/generate", json=body,
+                           timeout=(settings.connect_timeout_s, settings.request_timeout_s))
+    resp.raise_for_status()
+    return int(resp.json()["meta_info"]["completion_tokens"])

@@ -1,0 +1,218 @@
+"""Processes and services of the benchmarks: the simulator, workers, Redis and SQL.
+
+Every process started here belongs to a :class:`Processes` stack that stops it on exit,
+even on failure: SIGTERM, then SIGKILL after a grace period. Traffic goes to 127.0.0.1.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import redis
+import requests
+import sqlalchemy as sa
+
+from common.schema import metadata
+from common.settings import Settings
+from ops.localredis import free_port
+from producer.template import BUNDLED_TOKENIZER
+
+REDIS_URL = os.environ.get("DATAGEN_BENCH_REDIS_URL", "redis://127.0.0.1:6379/11")
+POSTGRES_URL = os.environ.get(
+    "DATAGEN_BENCH_POSTGRES_URL", "postgresql://postgres@127.0.0.1:5432/bench"
+)
+WORKDIR = Path(os.environ.get("DATAGEN_BENCH_DIR", "/tmp/datagen-bench"))
+ROOT = Path(__file__).resolve().parent.parent.parent
+CLK_TCK = os.sysconf("SC_CLK_TCK")
+STOP_GRACE_S = 30.0
+
+
+class Processes:
+    """Child processes stopped in reverse order on exit (terminate → kill)."""
+
+    def __init__(self) -> None:
+        self.procs: list[subprocess.Popen[bytes]] = []
+
+    def start(self, argv: Sequence[str], env: dict[str, str] | None = None,
+              log: Path | None = None) -> subprocess.Popen[bytes]:
+        out = open(log, "ab") if log else subprocess.DEVNULL  # noqa: SIM115
+        try:
+            proc = subprocess.Popen(list(argv), env={**os.environ, **(env or {})}, cwd=ROOT,
+                                    stdout=out, stderr=subprocess.STDOUT)
+        finally:
+            if log:
+                out.close()  # type: ignore[union-attr]
+        self.procs.append(proc)
+        return proc
+
+    def stop(self, proc: subprocess.Popen[bytes], grace_s: float = STOP_GRACE_S) -> None:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(grace_s)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(10)
+        if proc in self.procs:
+            self.procs.remove(proc)
+
+    def __enter__(self) -> Processes:
+        stop_on_signals()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for proc in reversed(list(self.procs)):
+            self.stop(proc, grace_s=10.0)
+
+
+def _raise_exit(signum: int, _frame: object) -> None:
+    raise SystemExit(128 + signum)
+
+
+def stop_on_signals() -> None:
+    """SIGTERM and SIGINT unwind the stack (so every ``Processes`` stops its children),
+    even when SIGINT was inherited as ignored (a background job of a shell)."""
+    if threading.current_thread() is threading.main_thread():
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, _raise_exit)
+
+
+def wait_until(pred: Callable[[], bool], timeout_s: float, interval_s: float = 0.2) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if pred():
+            return True
+        time.sleep(interval_s)
+    return pred()
+
+
+# -- the simulator ---------------------------------------------------------------------------
+
+def start_sim(procs: Processes, *, slots: int = 48, decode: float = 0.0, mean_output: int = 300,
+              extra: Sequence[str] = ()) -> tuple[str, subprocess.Popen[bytes]]:
+    """``datagen sim`` as its own process, with the bundled tokenizer; returns (url, proc)."""
+    port = free_port()
+    argv = [sys.executable, "-m", "ops.cli", "sim", "--host", "127.0.0.1", "--port", str(port),
+            "--max-running-requests", str(slots), "--decode-tok-per-s", str(decode),
+            "--mean-output-tokens", str(mean_output), "--tokenizer", str(BUNDLED_TOKENIZER),
+            *extra]
+    proc = procs.start(argv, log=WORKDIR / "sim.log")
+    url = f"http://127.0.0.1:{port}"
+    if not wait_until(lambda: _answers(url), 30):
+        raise RuntimeError(f"datagen sim did not answer on {url}; see {WORKDIR / 'sim.log'}")
+    return url, proc
+
+
+def _answers(url: str) -> bool:
+    try:
+        return requests.get(f"{url}/health", timeout=1).status_code == 200
+    except requests.RequestException:
+        return False
+
+
+def sim_reset(url: str, **faults: Any) -> None:
+    requests.post(f"{url}/sim/reset", timeout=10).raise_for_status()
+    if faults:
+        requests.post(f"{url}/sim/faults", json=faults, timeout=10).raise_for_status()
+
+
+def sim_requests(url: str) -> list[dict[str, Any]]:
+    resp = requests.get(f"{url}/sim/requests", timeout=60)
+    resp.raise_for_status()
+    return list(resp.json())
+
+
+def sim_completed(url: str) -> int:
+    stats = requests.get(f"{url}/sim/stats", timeout=10).json()
+    return int(stats["completed"]) + int(stats["aborted"]) + int(stats["errors"])
+
+
+# -- workers ---------------------------------------------------------------------------------
+
+def start_worker(procs: Processes, settings: Settings, concurrency: int,
+                 tag: str = "worker") -> subprocess.Popen[bytes]:
+    """``datagen worker`` as ``ops/demo.py`` starts it: a subprocess with settings.to_env()."""
+    argv = [sys.executable, "-m", "ops.cli", "worker", "--concurrency", str(concurrency),
+            "--loglevel", "WARNING"]
+    return procs.start(argv, env=settings.to_env(), log=WORKDIR / f"{tag}.log")
+
+
+def bench_settings(db_url: str, sim_url: str, concurrency: int = 64) -> Settings:
+    return Settings(redis_url=REDIS_URL, database_url=db_url, sglang_urls=(sim_url,),
+                    tokenizer=str(BUNDLED_TOKENIZER), concurrency=concurrency,
+                    request_timeout_s=600, retry_base_s=0.2, retry_max_s=2.0)
+
+
+# -- services --------------------------------------------------------------------------------
+
+def fresh_redis() -> redis.Redis:
+    """The benchmarks' own Redis database, emptied."""
+    client = redis.Redis.from_url(REDIS_URL)
+    client.flushdb()
+    return client
+
+
+def fresh_db(kind: str, tag: str = "bench") -> str:
+    """An empty SQLite file or the emptied ``bench`` PostgreSQL database; returns its URL."""
+    if kind == "sqlite":
+        WORKDIR.mkdir(parents=True, exist_ok=True)
+        path = WORKDIR / f"{tag}.db"
+        for suffix in ("", "-wal", "-shm"):
+            Path(f"{path}{suffix}").unlink(missing_ok=True)
+        return f"sqlite:///{path}"
+    if kind == "postgresql":
+        engine = sa.create_engine(POSTGRES_URL.replace("postgresql://", "postgresql+psycopg://"))
+        metadata.drop_all(engine)
+        engine.dispose()
+        return POSTGRES_URL
+    raise ValueError(f"unknown database kind {kind!r}")
+
+
+def publisher(app: Any) -> Any:
+    """The producer's Publisher, found through the module that uses it (it has moved)."""
+    from producer import enqueue as producer_enqueue
+
+    return producer_enqueue.Publisher(app)  # type: ignore[attr-defined]
+
+
+def clean_workdir() -> None:
+    shutil.rmtree(WORKDIR / "tmp", ignore_errors=True)
+    (WORKDIR / "tmp").mkdir(parents=True, exist_ok=True)
+
+
+# -- process accounting ----------------------------------------------------------------------
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU of a process (all its threads) so far."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / CLK_TCK
+
+
+def rss_mb(pid: int) -> float:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    return 0.0
+
+
+def machine() -> dict[str, Any]:
+    model = "unknown"
+    for line in Path("/proc/cpuinfo").read_text().splitlines():
+        if line.startswith("model name"):
+            model = line.split(":", 1)[1].strip()
+            break
+    mem_kb = int(Path("/proc/meminfo").read_text().split()[1])
+    return {"nproc": os.cpu_count(), "cpu": model, "ram_gb": round(mem_kb / 1024**2, 1),
+            "loadavg": os.getloadavg()[0]}

@@ -1,0 +1,206 @@
+"""The worker's per-task steps in isolation, each next to a candidate fix (µs per call).
+
+Single thread, sequential calls, same data, side by side:
+  * the /generate call: ``requests`` session as SGLangClient builds it (``trust_env``
+    on: proxy and netrc lookups in os.environ on every request) vs ``trust_env=False``;
+  * ``Store.prompt`` and ``Store.save_result`` vs the same SQL as statements built once
+    with bind parameters (no statement construction or cache-key walk per call);
+  * the ledger round trips of a task (``admit`` + ``charge``);
+  * a connection pool under 64 threads: SQLAlchemy's default for SQLite vs 64 slots.
+
+    python -m ops.bench.hotpath [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import threading
+import time
+import uuid
+from collections.abc import Callable
+from typing import Any
+
+import requests
+import sqlalchemy as sa
+
+from common.budget import Budget
+from common.db import insert_ignore
+from common.ledger import Ledger
+from common.schema import prompts, results, utcnow
+from common.store import Store
+from ops.bench.harness import Processes, bench_settings, fresh_db, fresh_redis, machine, start_sim
+from ops.bench.report import Summary, emit, table
+from ops.bench.synth import enqueue, prompt_files
+
+
+def parse(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m ops.bench.hotpath", description=__doc__)
+    p.add_argument("--quick", action="store_true", help="300 calls per case, 1 rep")
+    p.add_argument("--calls", type=int, help="calls per case (default 1000)")
+    p.add_argument("--reps", type=int, help="default 3")
+    p.add_argument("--dbs", default="sqlite,postgresql")
+    args = p.parse_args(argv)
+    args.calls = args.calls or (300 if args.quick else 1000)
+    args.reps = args.reps or (1 if args.quick else 3)
+    return args
+
+
+def prompt_caller(store: Store, keys: list[tuple[str, str]]) -> Callable[[int], Any]:
+    return lambda i: store.prompt(*keys[i % len(keys)])
+
+
+def per_call(fn: Callable[[int], Any], n: int) -> tuple[float, float]:
+    """(wall µs, CPU µs of this thread) per call: CPU is what a GIL-bound worker pays."""
+    t0, c0 = time.perf_counter(), time.thread_time()
+    for i in range(n):
+        fn(i)
+    return 1e6 * (time.perf_counter() - t0) / n, 1e6 * (time.thread_time() - c0) / n
+
+
+def http_cases(url: str, payloads: list[dict[str, Any]]) -> dict[str, Callable[[int], Any]]:
+    default, plain = requests.Session(), requests.Session()
+    plain.trust_env = False
+
+    def post(session: requests.Session, i: int) -> Any:
+        body = {**payloads[i % len(payloads)], "rid": uuid.uuid4().hex}
+        return session.post(f"{url}/generate", json=body, timeout=(5, 60)).json()
+
+    return {"/generate, requests trust_env=True (as is)": lambda i: post(default, i),
+            "/generate, requests trust_env=False": lambda i: post(plain, i)}
+
+
+def sql_cases(store: Store, keys: list[tuple[str, str]]) -> dict[str, Callable[[int], Any]]:
+    d: sa.BindParameter[str] = sa.bindparam("d")
+    s: sa.BindParameter[str] = sa.bindparam("s")
+    select_q = sa.select(prompts.c.state, prompts.c.input_ids, prompts.c.prompt_tokens,
+                         prompts.c.max_new_tokens, prompts.c.attempts).where(
+        prompts.c.dataset == d, prompts.c.sample_id == s)
+    insert_q = insert_ignore(store.engine, results).returning(results.c.id)
+    update_q = prompts.update().where(prompts.c.dataset == sa.bindparam("b_ds"),
+                                      prompts.c.sample_id == sa.bindparam("b_sid")) \
+        .values(state="done", error=None, updated_at=sa.bindparam("b_now"))
+
+    def prebuilt_select(i: int) -> Any:
+        ds, sid = keys[i % len(keys)]
+        with store.engine.connect() as conn:
+            return conn.execute(select_q, {"d": ds, "s": sid}).first()
+
+    def row(i: int, tag: str) -> dict[str, Any]:
+        ds, sid = keys[i % len(keys)]
+        return {"dataset": ds, "sample_id": f"{sid}-{tag}-{i}", "rid": uuid.uuid4().hex,
+                "prompt_tokens": 300, "completion_tokens": 16, "cached_tokens": 0,
+                "reasoning_tokens": 0, "finish_reason": "stop", "finish_detail": {"type": "stop"},
+                "output_ids": list(range(16)), "output_text": "t" * 60, "e2e_latency_s": 0.01,
+                "server": "http://127.0.0.1:9", "model": "sim"}
+
+    def prebuilt_save(i: int) -> Any:
+        r = row(i, "p")
+        with store.engine.begin() as conn:
+            n = len(conn.execute(insert_q, r).all())
+            conn.execute(update_q, {"b_ds": r["dataset"], "b_sid": r["sample_id"],
+                                    "b_now": utcnow()})
+        return n
+
+    return {"Store.prompt (as is)": lambda i: store.prompt(*keys[i % len(keys)]),
+            "SELECT prompt, statement built once": prebuilt_select,
+            "Store.save_result (as is)": lambda i: store.save_result(row(i, "a")),
+            "INSERT + UPDATE, statements built once": prebuilt_save}
+
+
+def ledger_cases(ledger: Ledger) -> dict[str, Callable[[int], Any]]:
+    ledger.configure("hotpath", Budget(10**12, "output", "drain"))
+    return {"Ledger.admit + Ledger.charge (2 Lua calls)": lambda i: (
+        ledger.admit("hotpath", f"r{i}", 1024, 2048),
+        ledger.charge("hotpath", f"s{i}", f"r{i}", 300, 16))}
+
+
+def pool_rate(store: Store, keys: list[tuple[str, str]], threads: int = 64,
+              seconds: float = 2.0) -> float:
+    """Store.prompt calls/s with ``threads`` threads sharing the store's pool."""
+    stop, count, lock = time.monotonic() + seconds, [0], threading.Lock()
+
+    def loop() -> None:
+        i = 0
+        while time.monotonic() < stop:
+            store.prompt(*keys[i % len(keys)])
+            i += 1
+        with lock:
+            count[0] += i
+
+    workers = [threading.Thread(target=loop) for _ in range(threads)]
+    for w in workers:
+        w.start()
+    for w in workers:
+        w.join(seconds + 60)
+    return count[0] / seconds
+
+
+def variant_engines(store: Store) -> dict[str, sa.engine.Engine]:
+    """The store's engine, one with 64 pool slots, and (PostgreSQL) one without pre-ping."""
+    url = store.engine.url
+    if url.get_backend_name() == "sqlite":
+        args: dict[str, Any] = {"connect_args": {"timeout": 60, "check_same_thread": False}}
+        return {"pool as configured": store.engine,
+                "pool_size=64": sa.create_engine(url, pool_size=64, max_overflow=0, **args)}
+    return {"pool as configured": store.engine,
+            "pool_size=64": sa.create_engine(url, pool_size=64, max_overflow=0,
+                                             pool_pre_ping=True),
+            "pool_pre_ping=False": sa.create_engine(url, pool_size=8, max_overflow=64)}
+
+
+def db_cases(kind: str, sim_url: str, n_prompts: int) -> tuple[Store, list[tuple[str, str]]]:
+    fresh_redis()
+    settings = bench_settings(fresh_db(kind, "hotpath"), sim_url)
+    enqueue(settings, prompt_files(n_prompts), max_new_tokens=16)
+    store = Store(settings.database_url)
+    keys = [(ds, sid) for ds in store.dataset_names() for sid in store.sample_ids(ds, "queued")]
+    return store, keys
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    results_us: dict[str, list[tuple[float, float]]] = {}
+    pools: dict[str, list[float]] = {}
+    with Processes() as procs:
+        url, _ = start_sim(procs, slots=64, decode=0, mean_output=16)
+        for kind in (k for k in args.dbs.split(",") if k):
+            store, keys = db_cases(kind, url, 600)
+            payloads = [{"input_ids": store.prompt(*k).input_ids,  # type: ignore[union-attr]
+                         "sampling_params": {"max_new_tokens": 16}, "stream": False}
+                        for k in keys[:200]]
+            cases = {**(http_cases(url, payloads) if kind == args.dbs.split(",")[0] else {}),
+                     **{f"{k} [{kind}]": v for k, v in sql_cases(store, keys).items()},
+                     **ledger_cases(Ledger(fresh_redis()))}
+            for _ in range(args.reps):
+                for name, fn in cases.items():
+                    results_us.setdefault(name, []).append(per_call(fn, args.calls))
+                for label, engine in variant_engines(store).items():
+                    default_engine, store.engine = store.engine, engine
+                    if label.startswith("pool_pre_ping"):
+                        results_us.setdefault(f"Store.prompt, {label} [{kind}]", []).append(
+                            per_call(prompt_caller(store, keys), args.calls))
+                    else:
+                        pools.setdefault(f"{kind}, {label}", []).append(pool_rate(store, keys))
+                    store.engine = default_engine
+                    if engine is not default_engine:
+                        engine.dispose()
+            store.engine.dispose()
+    fresh_redis()
+    us = {k: Summary.of([w for w, _ in v]) for k, v in results_us.items()}
+    cpu = {k: Summary.of([c for _, c in v]) for k, v in results_us.items()}
+    table(f"worker steps and fix candidates, {args.calls} sequential calls, {args.reps} reps "
+          "(µs per call, median [min-max])", ["case", "wall µs/call", "CPU µs/call (thread)"],
+          [(k, v.fmt(0), cpu[k].fmt(0)) for k, v in us.items()])
+    pool = {k: Summary.of(v) for k, v in pools.items()}
+    table("Store.prompt from 64 threads for 2 s (calls/s)", ["pool", "calls/s"],
+          [(k, v.fmt(0)) for k, v in pool.items()])
+    return {"us_per_call": us, "cpu_us_per_call": cpu, "pool_calls_per_s": pool}
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse(argv)
+    emit("hotpath", args, {"machine": machine(), **run(args)})
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

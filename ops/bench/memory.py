@@ -1,0 +1,155 @@
+"""Benchmark 5, memory: worker RSS at concurrency 64 and 256, Redis bytes per queued task.
+
+RSS (VmRSS from /proc) of one ``datagen worker``: idle after start, peak, and at the
+end of a warm run against an instant simulator (mean output 300 tokens). Redis: INFO
+``used_memory`` before/after the real producer enqueues 10,000 prompts, cross-checked by
+``MEMORY USAGE`` of every key of the database. Targets: ≤ 250 MB at c=64, ≤ 1.2 KB/task.
+
+    python -m ops.bench.memory [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import threading
+import time
+from typing import Any
+
+import redis
+
+from ops.bench.harness import (
+    Processes,
+    bench_settings,
+    clean_workdir,
+    fresh_db,
+    fresh_redis,
+    machine,
+    rss_mb,
+    start_sim,
+    start_worker,
+)
+from ops.bench.report import Summary, emit, table, verdict
+from ops.bench.runs import pipeline_leg
+from ops.bench.synth import enqueue, prompt_files
+
+TARGET_RSS_MB, TARGET_BYTES = 250.0, 1200.0
+IDLE_WAIT_S = 6.0
+
+
+def parse(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m ops.bench.memory", description=__doc__)
+    p.add_argument("--quick", action="store_true", help="600 samples, 2,000 queued, 1 rep")
+    p.add_argument("--samples", type=int, help="warm-run samples (default 3000)")
+    p.add_argument("--concurrency", default="64,256")
+    p.add_argument("--queued", type=int, help="tasks enqueued for Redis (default 10,000)")
+    p.add_argument("--reps", type=int, help="default 3")
+    args = p.parse_args(argv)
+    args.samples = args.samples or (600 if args.quick else 3000)
+    args.queued = args.queued or (2000 if args.quick else 10_000)
+    args.reps = args.reps or (1 if args.quick else 3)
+    return args
+
+
+class RssSampler:
+    """Polls a process's RSS every 0.2 s: peak and last value seen alive."""
+
+    def __init__(self, pid: int) -> None:
+        self.pid, self.peak, self.last = pid, 0.0, 0.0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.wait(0.2):
+            try:
+                now = rss_mb(self.pid)
+            except OSError:
+                return
+            if now <= 0:  # exiting: VmRSS is gone
+                return
+            self.last, self.peak = now, max(self.peak, now)
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(5)
+
+
+def idle_rss(procs: Processes, settings: Any, concurrency: int) -> float:
+    worker = start_worker(procs, settings, concurrency, tag="idle")
+    try:
+        time.sleep(IDLE_WAIT_S)
+        return rss_mb(worker.pid)
+    finally:
+        procs.stop(worker)
+
+
+def worker_rss(procs: Processes, args: argparse.Namespace, sim: tuple[str, int],
+               concurrency: int) -> dict[str, float]:
+    fresh_redis()
+    settings = bench_settings(fresh_db("sqlite", "memory"), sim[0], concurrency)
+    idle = idle_rss(procs, settings, concurrency)
+    enqueue(settings, prompt_files(args.samples), max_new_tokens=1024)
+    samplers: list[RssSampler] = []
+    leg = pipeline_leg(procs, f"c={concurrency}", settings, sim, args.samples,
+                       on_start=lambda ws: samplers.append(RssSampler(ws[0].pid)))
+    samplers[0].stop()
+    return {"idle": idle, "peak": samplers[0].peak, "end": samplers[0].last, "rate": leg.rate}
+
+
+def redis_bytes(args: argparse.Namespace, sim_url: str) -> dict[str, float]:
+    r = fresh_redis()
+    settings = bench_settings(fresh_db("sqlite", "memory-redis"), sim_url)
+    folder = prompt_files(args.queued)
+    before = int(r.info("memory")["used_memory"])
+    enqueue(settings, folder, max_new_tokens=1024)
+    after = int(r.info("memory")["used_memory"])
+    keys = list(r.scan_iter(count=1000))
+    usage = sum(int(r.memory_usage(k, samples=0) or 0) for k in keys)
+    queued = sum(int(r.llen(k)) for k in keys if r.type(k) == b"list")
+    one = next((r.lindex(k, 0) for k in keys if r.type(k) == b"list"), b"") or b""
+    return {"info_delta": (after - before) / args.queued, "memory_usage": usage / args.queued,
+            "queued": queued, "message_bytes": len(one), "keys": len(keys)}
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    clean_workdir()
+    rss: dict[int, list[dict[str, float]]] = {}
+    per_task: list[dict[str, float]] = []
+    with Processes() as procs:
+        url, proc = start_sim(procs, slots=256, decode=0, mean_output=300)
+        for _ in range(args.reps):
+            for c in (int(x) for x in args.concurrency.split(",") if x):
+                rss.setdefault(c, []).append(worker_rss(procs, args, (url, proc.pid), c))
+            per_task.append(redis_bytes(args, url))
+    redis.Redis.from_url(bench_settings("", "http://x").redis_url).flushdb()
+    rows, figures = [], {}
+    for c, runs in rss.items():
+        s = {k: Summary.of([r[k] for r in runs]) for k in ("idle", "peak", "end", "rate")}
+        goal = verdict(s["end"].median, TARGET_RSS_MB, False) if c == 64 else "-"
+        rows.append((f"worker RSS MB, c={c}", s["idle"].fmt(), s["peak"].fmt(), s["end"].fmt(),
+                     goal, s["rate"].fmt()))
+        figures[f"rss_c{c}"] = s
+    table(f"worker memory (warm run: {args.samples} samples, {args.reps} reps, "
+          "median [min-max])", ["figure", "idle", "peak", "after warm run",
+                                f"target <= {TARGET_RSS_MB:g} MB", "completions/s"], rows)
+    b = {k: Summary.of([p[k] for p in per_task]) for k in per_task[0]}
+    table(f"Redis bytes per queued task ({args.queued:,} enqueued by the producer)",
+          ["figure", "value", "target"],
+          [("INFO used_memory delta / task", b["info_delta"].fmt(0),
+            f"<= {TARGET_BYTES:g}: {verdict(b['info_delta'].median, TARGET_BYTES, False)}"),
+           ("MEMORY USAGE of all keys / task", b["memory_usage"].fmt(0), ""),
+           ("one message body, bytes", b["message_bytes"].fmt(0), ""),
+           ("messages queued", b["queued"].fmt(0), "")])
+    figures["redis_bytes_per_task"] = b
+    return figures
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse(argv)
+    figures = run(args)
+    emit("memory", args, {"machine": machine(), "samples": args.samples, **figures})
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,186 @@
+"""Benchmark 2, overhead at the maximum rate: pipeline vs a bare Celery task.
+
+An instant simulator (``--decode-tok-per-s 0 --mean-output-tokens 16``) makes the worker
+the bottleneck. Legs alternate in one run: full pipeline on SQLite, on PostgreSQL, then
+the bare task (same options, same messages, same HTTP call). Targets: pipeline / bare
+≥ 0.8 and ≥ 400 completions/s. ``--profile`` adds a SQLite leg under py-spy.
+
+    python -m ops.bench.overhead [--quick] [--profile]
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from typing import Any
+
+from ops.bench import profiling
+from ops.bench.harness import (
+    WORKDIR,
+    Processes,
+    bench_settings,
+    clean_workdir,
+    fresh_db,
+    fresh_redis,
+    machine,
+    start_sim,
+)
+from ops.bench.report import Summary, emit, table, verdict
+from ops.bench.runs import Leg, bare_celery_leg, pipeline_leg
+from ops.bench.synth import enqueue, prompt_files
+
+TARGET_RATIO, TARGET_RATE = 0.8, 400.0
+PROFILE_DELAY_S = 2.0
+PROFILE_SAMPLES = 3000
+
+
+def parse(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m ops.bench.overhead", description=__doc__)
+    p.add_argument("--quick", action="store_true", help="600 samples, 2 rounds")
+    p.add_argument("--samples", type=int, help="samples per leg (default 3000)")
+    p.add_argument("--rounds", type=int, help="rounds of (pipeline..., bare) (default 3)")
+    p.add_argument("--dbs", default="sqlite,postgresql")
+    p.add_argument("--concurrency", type=int, default=64)
+    p.add_argument("--profile", action="store_true", help="one more SQLite leg under py-spy")
+    args = p.parse_args(argv)
+    args.samples = args.samples or (600 if args.quick else 3000)
+    args.rounds = args.rounds or (2 if args.quick else 3)
+    return args
+
+
+def one_leg(procs: Processes, sim: tuple[str, int], args: argparse.Namespace, kind: str,
+            n: int = 0, on_start: Any = None) -> Leg:
+    n = n or args.samples
+    fresh_redis()
+    settings = bench_settings(fresh_db("sqlite" if kind == "bare" else kind, tag=kind),
+                              sim[0], args.concurrency)
+    enqueue(settings, prompt_files(n), max_new_tokens=1024)
+    if kind == "bare":
+        return bare_celery_leg(procs, "bare celery task", settings, sim, n)
+    return pipeline_leg(procs, f"pipeline {kind}", settings, sim, n, on_start=on_start)
+
+
+def profile_leg(procs: Processes, sim: tuple[str, int],
+                args: argparse.Namespace) -> dict[str, Any]:
+    recorders = []
+
+    def attach(workers: list[Any]) -> None:
+        time.sleep(PROFILE_DELAY_S)
+        for gil in (True, False):
+            out = WORKDIR / "tmp" / f"overhead-worker{'-gil' if gil else ''}.raw"
+            recorders.append((gil, out, profiling.record(procs, workers[0].pid, out, gil=gil)))
+
+    try:
+        leg = one_leg(procs, sim, args, "sqlite", n=max(args.samples, PROFILE_SAMPLES),
+                      on_start=attach)
+    finally:
+        for _, _, rec in recorders:
+            profiling.stop(procs, rec)
+    return {"leg": leg, **{("gil" if g else "all"): profiling.summarize(o)
+                           for g, o, _ in recorders}}
+
+
+WORKER_STEPS: tuple[tuple[str, str], ...] = (
+    ("Store.prompt (SELECT)", "Store.prompt ("), ("Ledger.admit (Lua)", "Ledger.admit ("),
+    ("WorkerContext.dataset", "WorkerContext.dataset ("),
+    ("SGLangClient.generate (HTTP + JSON)", "SGLangClient.generate ("),
+    ("Ledger.charge (Lua)", "Ledger.charge ("), ("result_row", "result_row ("),
+    ("Store.save_result (INSERT + UPDATE)", "Store.save_result ("),
+    ("run_sample, other", "run_sample ("), ("Celery task tracer", "trace_task ("),
+    ("thread pool", "_worker (concurrent"),
+    ("consumer: Celery request from message", "task_message_handler ("),
+    ("consumer: kombu unacked bookkeeping", "QoS.append ("),
+    ("consumer: ack (kombu QoS.ack)", "Message.ack ("),
+    ("consumer: BRPOP re-register", "_register_BRPOP ("),
+    ("consumer: BRPOP read", "_brpop_read ("), ("consumer: other", "asynloop ("),
+)
+WORKER_DETAIL: tuple[tuple[str, str], ...] = (
+    ("requests: proxy/netrc lookups (trust_env)", "merge_environment_settings ("),
+    ("requests: proxy/netrc lookups (trust_env)", "get_environ_proxies ("),
+    ("JSON: decode /generate answer", "Response.json ("),
+    ("JSON: encode /generate body", "JSONEncoder.encode ("),
+    ("SQLAlchemy: cache key", "_generate_cache_key ("),
+    ("SQLAlchemy: build statement", "(sqlalchemy/sql/coercions.py"),
+    ("SQLAlchemy: compile", "(sqlalchemy/sql/compiler.py"),
+    ("redis-py: new client (kombu)", "Redis.__init__ ("),
+    ("redis-py: connection pool", "ConnectionPool.get_connection ("),
+    ("sqlite3/psycopg execute", "do_execute ("), ("commit", "do_commit ("),
+)
+FALLBACK: tuple[tuple[str, str], ...] = tuple(
+    (f"{name} (other)", "(" + needle.lstrip("/")) for name, needle in profiling.CATEGORIES)
+
+
+def show_profile(prof: dict[str, Any]) -> dict[str, Any]:
+    out: dict[str, Any] = {"rate_under_profiler": prof["leg"].rate}
+    for mode in ("gil", "all"):
+        p = prof.get(mode)
+        if p is None:
+            continue
+        steps, detail = p.attribute(WORKER_STEPS), p.attribute(WORKER_DETAIL, FALLBACK)
+        what = "GIL holder" if mode == "gil" else "all active threads"
+        table(f"worker profile ({what}, {p.samples} samples): share per pipeline step",
+              ["step", "% samples"], [(k, f"{v:.1f}") for k, v in steps])
+        table(f"worker profile ({what}): share per activity", ["activity", "% samples"],
+              [(k, f"{v:.1f}") for k, v in detail[:16]])
+        if mode == "gil":
+            table(f"worker profile ({what}): top functions by self share", ["function", "%"],
+                  [(k, f"{v:.1f}") for k, v in p.top("self", 12)])
+        out[mode] = {"samples": p.samples, "steps": steps, "activities": detail,
+                     "libraries": p.category_shares(), "self": p.top("self", 15)}
+    return out
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    kinds = [k for k in args.dbs.split(",") if k] + ["bare"]
+    legs: dict[str, list[Leg]] = {k: [] for k in kinds}
+    prof: dict[str, Any] | None = None
+    clean_workdir()
+    prompt_files(args.samples)
+    with Processes() as procs:
+        proc_sim = start_sim(procs, slots=256, decode=0, mean_output=16)
+        sim = (proc_sim[0], proc_sim[1].pid)
+        for _ in range(args.rounds):
+            for kind in kinds:
+                legs[kind].append(one_leg(procs, sim, args, kind))
+        if args.profile:
+            prof = profile_leg(procs, sim, args)
+    return report(args, legs, prof)
+
+
+def report(args: argparse.Namespace, legs: dict[str, list[Leg]],
+           prof: dict[str, Any] | None) -> dict[str, Any]:
+    bare = legs["bare"]
+    rows, figures = [], {}
+    for kind, runs in legs.items():
+        rate = Summary.of([leg.rate for leg in runs])
+        ratio = Summary.of([a.rate / b.rate for a, b in zip(runs, bare, strict=True) if b.rate])
+        worker_ms = Summary.of([leg.cpu_ms_per_task("workers") for leg in runs])
+        sim_ms = Summary.of([leg.cpu_ms_per_task("sim") for leg in runs])
+        sim_core = Summary.of([100 * leg.cpu_s["sim"] / leg.window_s for leg in runs])
+        rows.append((runs[0].label, rate.fmt(), ratio.fmt(3), worker_ms.fmt(2), sim_ms.fmt(2),
+                     sim_core.fmt(0)))
+        figures[kind] = {"rate": rate, "ratio_to_bare": ratio, "worker_cpu_ms_per_task":
+                         worker_ms, "sim_cpu_ms_per_task": sim_ms, "sim_core_pct": sim_core}
+    table(f"overhead at max rate: {args.samples} samples/leg, {args.rounds} rounds, "
+          f"c={args.concurrency} (median [min-max])",
+          ["leg", "completions/s", "ratio to bare", "worker CPU ms/task", "sim CPU ms/task",
+           "sim % of a core"], rows)
+    checks = [(k, figures[k]["rate"].median, figures[k]["ratio_to_bare"].median)
+              for k in legs if k != "bare"]
+    table("targets: ratio >= 0.8 and >= 400 completions/s", ["leg", "rate", "ratio"],
+          [(k, verdict(r, TARGET_RATE), verdict(q, TARGET_RATIO)) for k, r, q in checks])
+    if prof:
+        figures["profile"] = show_profile(prof)
+    return figures
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse(argv)
+    figures = run(args)
+    emit("overhead", args, {"machine": machine(), "samples": args.samples,
+                            "rounds": args.rounds, **figures})
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,132 @@
+"""Benchmark 3, producer: prompts/s of ``datagen enqueue`` over synthetic reference data.
+
+88,088 prompts over 10 datasets (``--quick``: 8,000), read + template + tokenize + store
++ enqueue by the real ``Enqueuer`` in this process (tokenizer loaded once, beforehand).
+Median of 3 runs, each on an emptied Redis DB and a new SQLite file. ``--profile`` adds a
+run under py-spy; the stage breakdown and the candidate fixes, each measured in
+isolation, come from ``ops.bench.producer_stages`` and ``ops.bench.publish_paths``.
+Target ≥ 5,000 prompts/s.
+
+    python -m ops.bench.producer_rate [--quick] [--profile] [--no-stages]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import time
+from typing import Any
+
+from ops.bench import producer_stages, profiling, publish_paths
+from ops.bench.harness import (
+    WORKDIR,
+    Processes,
+    bench_settings,
+    clean_workdir,
+    fresh_db,
+    fresh_redis,
+    machine,
+)
+from ops.bench.report import Summary, emit, table, verdict
+from ops.bench.synth import enqueue, prompt_files, templater
+
+TARGET = 5000.0
+PRODUCER_RULES: tuple[tuple[str, str], ...] = (
+    ("read: JSON parse + id hash", "read_dataset ("),
+    ("render chat template (jinja)", "render ("),
+    ("tokenize (Rust)", "_tokenize ("),
+    ("store prompts (SQL)", "insert_prompts ("),
+    ("publish (kombu batch)", "publish ("),
+    ("register / reconcile", "_register ("),
+    ("prompt rows", "_prompt_rows ("),
+    ("other Enqueuer", "Enqueuer."),
+)
+
+
+def parse(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m ops.bench.producer_rate", description=__doc__)
+    p.add_argument("--quick", action="store_true", help="8,000 prompts")
+    p.add_argument("--prompts", type=int, help="default 88,088")
+    p.add_argument("--reps", type=int, default=3)
+    p.add_argument("--dbs", default="sqlite")
+    p.add_argument("--profile", action="store_true", help="one more run under py-spy")
+    p.add_argument("--no-stages", action="store_true", help="skip the stage breakdown")
+    args = p.parse_args(argv)
+    args.prompts = args.prompts or (8000 if args.quick else 88_088)
+    return args
+
+
+def one_run(kind: str, folder: Any) -> dict[str, float]:
+    fresh_redis()
+    settings = bench_settings(fresh_db(kind, "producer"), "http://127.0.0.1:9")
+    t0, cpu0 = time.perf_counter(), time.process_time()
+    summaries = enqueue(settings, folder, max_new_tokens=16384)
+    wall, cpu = time.perf_counter() - t0, time.process_time() - cpu0
+    read = sum(s.read for s in summaries)
+    enqueued = sum(s.enqueued for s in summaries)
+    return {"rate": read / wall, "wall_s": wall, "cores": cpu / wall, "read": read,
+            "enqueued": enqueued}
+
+
+def profiled_run(kind: str, folder: Any) -> profiling.Profile:
+    out = WORKDIR / "tmp" / "producer.raw"
+    with Processes() as procs:
+        rec = profiling.record(procs, os.getpid(), out)
+        time.sleep(1.0)
+        try:
+            one_run(kind, folder)
+        finally:
+            profiling.stop(procs, rec)
+    return profiling.summarize(out)
+
+
+def show_profile(prof: profiling.Profile) -> dict[str, Any]:
+    steps = prof.attribute(PRODUCER_RULES)
+    table(f"producer profile: share of samples per step ({prof.samples} samples, all threads)",
+          ["step", "% samples"], [(k, f"{v:.1f}") for k, v in steps])
+    table("producer profile: top functions by self share", ["function", "%"],
+          [(k, f"{v:.1f}") for k, v in prof.top("self", 12)])
+    return {"samples": prof.samples, "steps": steps, "self": prof.top("self", 12)}
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    clean_workdir()
+    folder = prompt_files(args.prompts)
+    t0 = time.perf_counter()
+    templater()
+    load_s = time.perf_counter() - t0
+    runs: dict[str, list[dict[str, float]]] = {}
+    for _ in range(args.reps):
+        for kind in (k for k in args.dbs.split(",") if k):
+            runs.setdefault(kind, []).append(one_run(kind, folder))
+    rows: list[tuple[Any, ...]] = []
+    figures: dict[str, Any] = {"tokenizer_load_s": load_s}
+    for kind, rs in runs.items():
+        rate = Summary.of([r["rate"] for r in rs])
+        cores = Summary.of([r["cores"] for r in rs])
+        wall = Summary.of([r["wall_s"] for r in rs])
+        rows.append((kind, f"{int(rs[0]['read']):,}", f"{int(rs[0]['enqueued']):,}", rate.fmt(0),
+                     wall.fmt(1), cores.fmt(2), verdict(rate.median, TARGET)))
+        figures[kind] = {"rate": rate, "cores": cores, "wall_s": wall, "prompts": rs[0]["read"]}
+    table(f"producer: {args.prompts:,} prompts over 10 datasets, {args.reps} runs "
+          f"(median [min-max]); tokenizer load {load_s:.2f} s not included",
+          ["db", "read", "enqueued", "prompts/s", "wall s", "CPU cores used",
+           f"target >= {TARGET:,.0f}/s"], rows)
+    if args.profile:
+        figures["profile"] = show_profile(profiled_run(args.dbs.split(",")[0], folder))
+    if not args.no_stages:
+        figures["stages"] = producer_stages.run(min(args.prompts, 8000), args.reps)
+        figures["publish_paths"] = publish_paths.run(min(args.prompts, 3000), args.reps)
+    return figures
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse(argv)
+    figures = run(args)
+    fresh_redis()
+    emit("producer", args, {"machine": machine(), "prompts": args.prompts, **figures})
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,158 @@
+"""One measured leg: enqueue, start the consumer process(es), wait, read the server's log.
+
+Rates come from the simulator's request log (the same clock for every kind of client):
+completions over the busy window, from the first to the last completion. CPU seconds
+of each process are sampled at the first completion and at the end of the window.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import sqlalchemy as sa
+
+from common.keys import queue_name
+from common.schema import prompts
+from common.settings import Settings
+from common.store import Store
+from ops.bench.harness import (
+    WORKDIR,
+    Processes,
+    cpu_seconds,
+    sim_completed,
+    sim_requests,
+    sim_reset,
+    start_worker,
+    wait_until,
+)
+
+FINISHED = ("stop", "length")
+
+
+@dataclass
+class Leg:
+    label: str
+    completions: int = 0
+    tokens: int = 0
+    window_s: float = 0.0
+    cpu_s: dict[str, float] = field(default_factory=dict)
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def rate(self) -> float:
+        return self.completions / self.window_s if self.window_s > 0 else 0.0
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens / self.window_s if self.window_s > 0 else 0.0
+
+    def cpu_ms_per_task(self, who: str) -> float:
+        return 1000.0 * self.cpu_s.get(who, 0.0) / max(1, self.completions)
+
+
+def busy_window(entries: list[dict[str, Any]], leg: Leg) -> Leg:
+    """Fill ``leg`` from the log: completions and tokens after the first, over the window."""
+    done = sorted((e for e in entries if e.get("status") == 200
+                   and e.get("finish_type") in FINISHED), key=lambda e: e["finished_ts"])
+    if len(done) >= 2:
+        leg.window_s = done[-1]["finished_ts"] - done[0]["finished_ts"]
+        leg.completions = len(done) - 1
+        leg.tokens = sum(int(e["completion_tokens"]) for e in done[1:])
+    leg.extra["requests"] = len(entries)
+    return leg
+
+
+def watch(sim_url: str, expected: int, pids: dict[str, int], timeout_s: float) -> dict[str, float]:
+    """Wait for ``expected`` finished requests; CPU seconds of ``pids`` in between."""
+    deadline = time.monotonic() + timeout_s
+    start: dict[str, float] | None = None
+    done = 0
+    while time.monotonic() < deadline:
+        done = sim_completed(sim_url)
+        if start is None and done >= 1:
+            start = {k: cpu_seconds(p) for k, p in pids.items()}
+        if done >= expected:
+            end = {k: cpu_seconds(p) for k, p in pids.items()}
+            return {k: end[k] - (start or end)[k] for k in pids}
+        time.sleep(0.1)
+    raise TimeoutError(f"only {done} of {expected} requests finished in {timeout_s:.0f}s")
+
+
+def settled(store: Store) -> bool:
+    q = sa.select(sa.func.count()).where(prompts.c.state == "queued")
+    with store.engine.connect() as conn:
+        return int(conn.scalar(q) or 0) == 0
+
+
+def pipeline_leg(procs: Processes, label: str, settings: Settings, sim: tuple[str, int],
+                 expected: int, *, workers: int = 1, timeout_s: float = 600,
+                 on_start: Callable[[list[subprocess.Popen[bytes]]], None] | None = None) -> Leg:
+    """``workers`` × ``datagen worker`` over what is enqueued; stopped before returning."""
+    sim_url, sim_pid = sim
+    sim_reset(sim_url)
+    started = [start_worker(procs, settings, settings.concurrency, tag=f"worker{k}")
+               for k in range(workers)]
+    try:
+        if on_start:
+            on_start(started)
+        pids = {"sim": sim_pid, **{f"worker{k}": p.pid for k, p in enumerate(started)}}
+        cpu = watch(sim_url, expected, pids, timeout_s)
+        store = Store(settings.database_url)
+        ok = wait_until(lambda: settled(store), 60, 0.5)
+        store.engine.dispose()
+        if not ok:
+            raise TimeoutError(f"{label}: prompts still queued in SQL after the last response")
+    finally:
+        for proc in started:
+            procs.stop(proc)
+    leg = busy_window(sim_requests(sim_url), Leg(label, cpu_s=cpu))
+    leg.cpu_s["workers"] = sum(v for k, v in cpu.items() if k.startswith("worker"))
+    return leg
+
+
+def dump_payloads(settings: Settings, out: Path) -> list[str]:
+    """{"dataset/sample_id": {input_ids, sampling}} of every queued prompt; the queues."""
+    store = Store(settings.database_url)
+    payloads: dict[str, Any] = {}
+    names = store.dataset_names()
+    for name in names:
+        ds = store.dataset(name)
+        sampling = {k: v for k, v in ds.sampling.items() if k != "max_new_tokens"}
+        for sid in store.sample_ids(name, "queued"):
+            p = store.prompt(name, sid)
+            assert p is not None
+            payloads[f"{name}/{sid}"] = {"input_ids": p.input_ids,
+                                         "sampling": {**sampling, "max_new_tokens":
+                                                      p.max_new_tokens}}
+    store.engine.dispose()
+    out.write_text(json.dumps(payloads))
+    return [queue_name(n) for n in names]
+
+
+def bare_celery_leg(procs: Processes, label: str, settings: Settings, sim: tuple[str, int],
+                    expected: int, timeout_s: float = 600) -> Leg:
+    """The baseline: a bare Celery task making the same HTTP call, same worker options."""
+    sim_url, sim_pid = sim
+    payload_file = WORKDIR / "tmp" / "payloads.json"
+    queues = dump_payloads(settings, payload_file)
+    sim_reset(sim_url)
+    argv = [sys.executable, "-m", "celery", "-A", "ops.bench.bare_worker", "worker",
+            "--pool=threads", f"--concurrency={settings.concurrency}", "--loglevel=WARNING",
+            "--without-gossip", "--without-mingle", "-Q", ",".join(queues),
+            f"--hostname=bare-{time.monotonic_ns()}@bench"]
+    env = {**settings.to_env(), "DATAGEN_BENCH_PAYLOADS": str(payload_file)}
+    proc = procs.start(argv, env=env, log=WORKDIR / "bare-worker.log")
+    try:
+        cpu = watch(sim_url, expected, {"sim": sim_pid, "worker0": proc.pid}, timeout_s)
+    finally:
+        procs.stop(proc)
+    leg = busy_window(sim_requests(sim_url), Leg(label, cpu_s=cpu))
+    leg.cpu_s["workers"] = cpu["worker0"]
+    return leg

@@ -1,0 +1,187 @@
+"""Benchmark 6, scaling: completions/s with 1, 2 and 4 worker processes (c=64 each)
+against an instant simulator, CPU per process, and the per-task Redis and SQL costs
+behind the 100-node projection in docs/PERFORMANCE.md.
+
+    python -m ops.bench.scaling [--quick] [--no-costs]
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from typing import Any
+
+from common.store import Store
+from ops.bench import costs
+from ops.bench.harness import (
+    Processes,
+    bench_settings,
+    clean_workdir,
+    fresh_db,
+    fresh_redis,
+    machine,
+    sim_reset,
+    start_sim,
+    wait_until,
+)
+from ops.bench.report import Summary, emit, table
+from ops.bench.runs import Leg, pipeline_leg, settled, watch
+from ops.bench.synth import enqueue, prompt_files
+
+NODE_TOK_S = 930.0  # one 8-GPU SGLang node, typical (shared/BRIEF.md)
+FLEET = 100
+SLOTS_PER_NODE = 48
+
+
+def parse(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m ops.bench.scaling", description=__doc__)
+    p.add_argument("--quick", action="store_true", help="600 samples, SQLite only, 1 rep")
+    p.add_argument("--samples", type=int, help="samples per leg (default 3000)")
+    p.add_argument("--workers", default="1,2,4")
+    p.add_argument("--dbs", help="default sqlite,postgresql (quick: sqlite)")
+    p.add_argument("--reps", type=int, help="default 2")
+    p.add_argument("--cost-samples", type=int, help="samples of the counting run (500)")
+    p.add_argument("--no-costs", action="store_true", help="skip the per-task counting run")
+    args = p.parse_args(argv)
+    args.samples = args.samples or (600 if args.quick else 3000)
+    args.dbs = args.dbs or ("sqlite" if args.quick else "sqlite,postgresql")
+    args.reps = args.reps or (1 if args.quick else 2)
+    args.cost_samples = args.cost_samples or (200 if args.quick else 500)
+    return args
+
+
+def scale_leg(procs: Processes, sim: tuple[str, int], kind: str, workers: int, n: int) -> Leg:
+    fresh_redis()
+    settings = bench_settings(fresh_db(kind, "scaling"), sim[0], 64)
+    enqueue(settings, prompt_files(n), max_new_tokens=1024)
+    return pipeline_leg(procs, f"{kind} x{workers}", settings, sim, n, workers=workers)
+
+
+def count_costs(sim_url: str, kind: str, n: int) -> dict[str, Any]:
+    """Enqueue and run ``n`` samples in-process while counting Redis commands and SQL."""
+    from celery.contrib.testing.worker import start_worker
+
+    from workers.app import create_app
+
+    fresh_redis()
+    settings = bench_settings(fresh_db(kind, "costs"), sim_url, 64)
+    out: dict[str, Any] = {}
+    with costs.RedisMonitor() as mon, costs.SqlCounter().counting() as sql:
+        enqueue(settings, prompt_files(n), max_new_tokens=1024)
+    out["producer"] = {"redis": dict(mon.direct), "lua": dict(mon.lua),
+                       "sql": dict(sql.statements), "commits": sql.commits}
+    sim_reset(sim_url)
+    pg0 = costs.pg_stats() if kind == "postgresql" else {}
+    peak = 0
+    app = create_app(settings)
+    with costs.RedisMonitor() as mon, costs.SqlCounter().counting() as sql, \
+            start_worker(app, pool="threads", concurrency=64, perform_ping_check=False,
+                         shutdown_timeout=30):
+        watch(sim_url, n, {}, 300)
+        peak = costs.pg_connections() if kind == "postgresql" else 0
+        time.sleep(1.0)  # the last stores; no polling of SQL inside the counted window
+    store = Store(settings.database_url)
+    wait_until(lambda: settled(store), 60, 0.5)
+    store.engine.dispose()
+    out["worker"] = {"redis": dict(mon.direct), "lua": dict(mon.lua),
+                     "sql": dict(sql.statements), "commits": sql.commits}
+    if pg0:
+        pg1 = costs.pg_stats()
+        out["worker"]["pg"] = {k: pg1[k] - pg0[k] for k in pg0}
+        out["worker"]["pg_connections"] = peak
+    return out
+
+
+def show_costs(kind: str, n: int, c: dict[str, Any]) -> dict[str, float]:
+    totals: dict[str, float] = {}
+    rows = []
+    for phase in ("producer", "worker"):
+        p = c[phase]
+        for what in ("redis", "lua", "sql"):
+            total = sum(p[what].values()) / n
+            totals[f"{phase}_{what}"] = total
+            top = ", ".join(f"{k} {v / n:.2f}" for k, v in
+                            sorted(p[what].items(), key=lambda kv: -kv[1])[:8])
+            rows.append((f"{phase}: {what}", f"{total:.2f}", top))
+        totals[f"{phase}_commits"] = p["commits"] / n
+        rows.append((f"{phase}: SQL commits", f"{p['commits'] / n:.2f}", ""))
+    for k, v in c["worker"].get("pg", {}).items():
+        rows.append((f"worker: pg_stat_database {k}", f"{v / n:.2f}", ""))
+        totals[f"pg_{k}"] = v / n
+    if "pg_connections" in c["worker"]:
+        rows.append(("worker: PostgreSQL connections open (c=64)",
+                     str(c["worker"]["pg_connections"]), ""))
+        totals["pg_connections"] = c["worker"]["pg_connections"]
+    table(f"per-task costs, {kind} ({n} samples; Redis = commands sent, lua = run inside "
+          "scripts)", ["figure", "per task", "top commands per task"], rows)
+    return totals
+
+
+def project(totals: dict[str, float], cpu_ms: float) -> list[tuple[Any, ...]]:
+    rows = []
+    for mean_out in (300, 1000, 4000):
+        tasks = FLEET * NODE_TOK_S / mean_out
+        redis_ops = tasks * sum(totals.get(k, 0) for k in (
+            "producer_redis", "worker_redis", "producer_lua", "worker_lua"))
+        sql = tasks * (totals.get("producer_sql", 0) + totals.get("worker_sql", 0))
+        rows.append((mean_out, f"{tasks:,.0f}", f"{redis_ops:,.0f}", f"{sql:,.0f}",
+                     f"{tasks * cpu_ms / 1000:,.1f}", FLEET * SLOTS_PER_NODE // 64 + 1))
+    return rows
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    clean_workdir()
+    kinds = [k for k in args.dbs.split(",") if k]
+    counts = [int(w) for w in args.workers.split(",") if w]
+    legs: dict[tuple[str, int], list[Leg]] = {}
+    cost: dict[str, Any] = {}
+    with Processes() as procs:
+        url, proc = start_sim(procs, slots=256, decode=0, mean_output=16)
+        for _ in range(args.reps):
+            for kind in kinds:
+                for w in counts:
+                    legs.setdefault((kind, w), []).append(
+                        scale_leg(procs, (url, proc.pid), kind, w, args.samples))
+        if not args.no_costs:
+            cost = {kind: count_costs(url, kind, args.cost_samples) for kind in kinds}
+    return report(args, legs, cost)
+
+
+def report(args: argparse.Namespace, legs: dict[tuple[str, int], list[Leg]],
+           cost: dict[str, Any]) -> dict[str, Any]:
+    rows: list[tuple[Any, ...]] = []
+    figures: dict[str, Any] = {}
+    for (kind, w), runs in legs.items():
+        rate = Summary.of([leg.rate for leg in runs])
+        base = Summary.of([leg.rate for leg in legs[(kind, 1)]]).median if (kind, 1) in legs \
+            else rate.median
+        wcpu = Summary.of([100 * leg.cpu_s["workers"] / leg.window_s for leg in runs])
+        scpu = Summary.of([100 * leg.cpu_s["sim"] / leg.window_s for leg in runs])
+        ms = Summary.of([leg.cpu_ms_per_task("workers") for leg in runs])
+        rows.append((kind, w, rate.fmt(), f"{rate.median / base:.2f}", wcpu.fmt(0),
+                     scpu.fmt(0), ms.fmt(2)))
+        figures[f"{kind}_x{w}"] = {"rate": rate, "worker_cpu_pct": wcpu, "sim_cpu_pct": scpu,
+                                   "worker_cpu_ms_per_task": ms}
+    table(f"scaling against an instant server: {args.samples} samples/leg, c=64 per worker, "
+          f"{args.reps} reps (median [min-max])", ["db", "workers", "completions/s",
+          "speedup", "workers CPU % (of one core)", "sim CPU %", "worker CPU ms/task"], rows)
+    for kind, c in cost.items():
+        totals = show_costs(kind, args.cost_samples, c)
+        figures[f"costs_{kind}"] = {**totals, "raw": c}
+        cpu = figures.get(f"{kind}_x1", {}).get("worker_cpu_ms_per_task")
+        table(f"projection for {FLEET} SGLang nodes x {NODE_TOK_S:g} tok/s ({kind})",
+              ["mean output tokens", "tasks/s", "Redis commands/s", "SQL statements/s",
+               "worker cores needed", "workers at c=64"],
+              project(totals, cpu.median if cpu else 0.0))
+    return figures
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse(argv)
+    figures = run(args)
+    emit("scaling", args, {"machine": machine(), "samples": args.samples, **figures})
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

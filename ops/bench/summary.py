@@ -1,0 +1,113 @@
+"""The headline figure of each benchmark against its target, from ``bench-result`` JSON."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+Row = tuple[str, str, str, str, str]
+
+
+def _get(d: Any, *path: str) -> Any:
+    for key in path:
+        if not isinstance(d, dict) or key not in d:
+            return None
+        d = d[key]
+    return d
+
+
+def _med(d: Any, *path: str) -> float | None:
+    v = _get(d, *path)
+    if isinstance(v, dict):
+        v = v.get("median")
+    return float(v) if isinstance(v, int | float) else None
+
+
+def _row(bench: str, figure: str, value: float | None, fmt: str, target: str,
+         ok: Callable[[float], bool] | None) -> Row:
+    if value is None:
+        return (bench, figure, "-", target, "not run")
+    verdict = "-" if ok is None else ("met" if ok(value) else "MISSED")
+    return (bench, figure, format(value, fmt), target, verdict)
+
+
+def _saturation(r: Any) -> list[Row]:
+    return [_row("saturation", "pipeline / bare tokens/s", _med(r, "ratio"), ".3f", ">= 0.97",
+                 lambda v: v >= 0.97)]
+
+
+def _overhead(r: Any) -> list[Row]:
+    rows = [_row("overhead", "bare Celery task, completions/s", _med(r, "bare", "rate"),
+                 ",.0f", "-", None)]
+    for kind in ("sqlite", "postgresql"):
+        rows.append(_row("overhead", f"pipeline {kind}, completions/s",
+                         _med(r, kind, "rate"), ",.0f", ">= 400", lambda v: v >= 400))
+        rows.append(_row("overhead", f"pipeline {kind} / bare", _med(r, kind, "ratio_to_bare"),
+                         ".3f", ">= 0.8", lambda v: v >= 0.8))
+    return rows
+
+
+def _producer(r: Any) -> list[Row]:
+    return [_row("producer", "prompts/s (SQLite)", _med(r, "sqlite", "rate"), ",.0f",
+                 ">= 5,000", lambda v: v >= 5000)]
+
+
+def _guard(r: Any) -> list[Row]:
+    rows = []
+    for case, v in (_get(r, "cases") or {}).items():
+        if "crossing" in case or "after_close" in case:
+            rows.append(_row("guard", f"p99 ms, {case}", _med(v, "p99_ms"), ".1f", "< 50",
+                             lambda x: x < 50))
+    return rows
+
+
+def _overshoot(r: Any) -> list[Row]:
+    budget = _get(r, "budget") or 0
+    return [
+        _row("overshoot", "drain, % of budget", _med(r, "drain", "overshoot_pct"), ".2f",
+             "<= 1%", lambda v: v <= 1.0),
+        _row("overshoot", "abort, tokens over budget", _med(r, "abort", "overshoot"), ",.0f",
+             "<= one response", lambda v: _get(r, "abort", "target") == "met"),
+        _row("overshoot", "abort, tokens wasted (partial outputs)",
+             _med(r, "abort", "wasted_tokens"), ",.0f", "-", None),
+        _row("overshoot", "exact, tokens over budget", _med(r, "exact", "overshoot"), ",.0f",
+             "0", lambda v: v <= 0),
+        _row("overshoot", "budget per dataset", float(budget) if budget else None, ",.0f",
+             "-", None),
+    ]
+
+
+def _memory(r: Any) -> list[Row]:
+    return [
+        _row("memory", "worker RSS MB after warm run, c=64", _med(r, "rss_c64", "end"), ".0f",
+             "<= 250", lambda v: v <= 250),
+        _row("memory", "worker RSS MB after warm run, c=256", _med(r, "rss_c256", "end"),
+             ".0f", "-", None),
+        _row("memory", "Redis bytes per queued task",
+             _med(r, "redis_bytes_per_task", "info_delta"), ",.0f", "<= 1,200",
+             lambda v: v <= 1200),
+    ]
+
+
+def _scaling(r: Any) -> list[Row]:
+    rows = []
+    for key in sorted(k for k in (r or {}) if "_x" in k and not k.startswith("costs")):
+        rows.append(_row("scaling", f"completions/s, {key.replace('_x', ' x')} workers",
+                         _med(r, key, "rate"), ",.0f", "-", None))
+    return rows
+
+
+EXTRACTORS: dict[str, Callable[[Any], list[Row]]] = {
+    "saturation": _saturation, "overhead": _overhead, "producer": _producer,
+    "guard": _guard, "overshoot": _overshoot, "memory": _memory, "scaling": _scaling,
+}
+
+
+def headline(results: dict[str, Any]) -> list[Row]:
+    rows: list[Row] = []
+    for name, result in results.items():
+        extract = EXTRACTORS.get(name)
+        if extract is None:
+            continue
+        rows += extract(result) if result else [(name, "-", "-", "-", "failed")]
+    return rows

@@ -1,0 +1,100 @@
+"""A TCP proxy in front of a private redis-server that, when armed, resets every client
+connection about to carry a chosen command: a connection blip aimed at one call, so what a
+random ``CLIENT KILL`` does now and then happens every time.
+
+``drop="request"`` resets before the command reaches Redis (it never runs);
+``drop="reply"`` forwards it and resets before the answer (it ran, the client cannot know).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import threading
+
+from ops.localredis import free_port
+
+
+class ResetProxy:
+    def __init__(self, target_port: int, marker: bytes, drop: str = "request") -> None:
+        self.target_port = target_port
+        self.marker = marker
+        self.drop = drop
+        self.port = free_port()
+        self.url = f"redis://127.0.0.1:{self.port}/0"
+        self.armed = threading.Event()
+        self.resets = 0
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, daemon=True,
+                                        name="faultkit-proxy")
+        self._server: asyncio.Server | None = None
+
+    def start(self) -> str:
+        self._thread.start()
+        start = asyncio.start_server(self._handle, "127.0.0.1", self.port)
+        self._server = asyncio.run_coroutine_threadsafe(start, self._loop).result(10)
+        return self.url
+
+    def stop(self) -> None:
+        async def shutdown() -> None:
+            if self._server is not None:
+                self._server.close()
+            tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+        if self._thread.is_alive():
+            asyncio.run_coroutine_threadsafe(shutdown(), self._loop).result(10)
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join(10)
+        self._loop.close()
+
+    def __enter__(self) -> ResetProxy:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        up_reader, up_writer = await asyncio.open_connection("127.0.0.1", self.target_port)
+        hit = asyncio.Event()
+        try:
+            await asyncio.gather(self._upstream(reader, up_writer, hit),
+                                 self._downstream(up_reader, writer, hit),
+                                 return_exceptions=True)
+        finally:
+            for w in (writer, up_writer):
+                w.transport.abort()
+
+    async def _upstream(self, reader: asyncio.StreamReader, up: asyncio.StreamWriter,
+                        hit: asyncio.Event) -> None:
+        while data := await reader.read(65536):
+            if self.armed.is_set() and self.marker in data:
+                self.resets += 1
+                hit.set()  # nothing more reaches the client, the answer included
+                if self.drop == "reply":
+                    up.write(data)
+                    with contextlib.suppress(ConnectionError):
+                        await up.drain()
+                    await asyncio.sleep(0.05)  # Redis runs it before the reset
+                return
+            up.write(data)
+            await up.drain()
+
+    async def _downstream(self, up_reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
+                          hit: asyncio.Event) -> None:
+        while not hit.is_set():
+            read = asyncio.ensure_future(up_reader.read(65536))
+            stop = asyncio.ensure_future(hit.wait())
+            try:
+                done, _ = await asyncio.wait({read, stop}, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                for pending in (read, stop):
+                    if not pending.done():
+                        pending.cancel()
+            if stop in done or not read.result():
+                return
+            writer.write(read.result())
+            await writer.drain()
