@@ -19,6 +19,7 @@ import argparse
 import contextlib
 import os
 import platform
+import signal
 import statistics
 import subprocess
 import sys
@@ -239,6 +240,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         print("ops.reliability needs the source checkout's tests/ folder", file=sys.stderr)
         return 2
     sys.path.insert(0, str(ROOT))
+    # A SIGTERM unwinds like Ctrl-C, so every private server and worker is stopped.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     started, clock = datetime.now(UTC), time.monotonic()
     results: dict[str, list[Any]] = {}
     for spec in _specs():
