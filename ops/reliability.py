@@ -41,7 +41,7 @@ NOTES = """
 a result row, once the run is over. **stranded**: prompts left `queued` in SQL with no message
 after a fault; only a re-run of `datagen enqueue` (or the workers' sweep, 5-10 min later)
 brings them back, which the scenario then does, so they are not counted as lost (issue 1
-below). **worker exits**: worker processes that died and were restarted, as compose's
+below, now fixed). **worker exits**: worker processes that died and were restarted, as compose's
 `restart: unless-stopped` would (issue 3). **duplicated**: result rows beyond one per
 (dataset, sample_id), plus samples the Redis ledger counts more often than SQL holds them.
 **counter drift**: the sum over datasets of |Redis `used` - SQL sum| + |Redis `samples` -
@@ -53,28 +53,24 @@ agree on which datasets are closed, and that each budget is within its policy's 
 (drain: total concurrency x max_new_tokens). Datasets closed by their budget keep their
 remaining prompts `queued`, by design.
 
-## Known issues these scenarios expose
+## Issues these scenarios found
 
-Each is pinned by a strict xfail test (named below) that will pass once it is fixed.
-
-1. A task that meets a database or Redis outage outside the result store raises
-   `OperationalError` (`store.prompt`, `record_attempt`, `mark_failed`) or
-   `redis.ConnectionError` (`ledger.admit`, `ledger.charge`); Celery acks it and the prompt
-   stays `queued` in SQL with no message until `datagen enqueue` is re-run or the workers'
-   sweep finds it 5-10 minutes later (`stuck_until_enqueue_rerun`, `stranded_until_sweep`;
-   `test_retries_due_while_postgres_is_down_are_not_dropped`,
-   `test_a_blip_during_a_ledger_call_strands_no_prompt_and_leaks_no_reservation`). An ADMIT
-   whose answer is lost also leaves its reservation in the ledger for good.
-2. After a Redis loss recovered by `common.audit.requeue_lost` alone (the workers' sweep), a
-   closed dataset's ledger is not rebuilt: Redis says `open` with 0 tokens used while SQL says
-   closed (`redis-loss-requeue`; `test_redis_restart_with_total_data_loss_then_requeue_lost`).
-3. `datagen worker` exits 0 after Celery's "Unrecoverable error" (database down at start, or
-   kombu's `'NoneType' object has no attribute 'hostname'` while restoring unacked messages
-   on a Redis reconnect, seen now and then on an empty Redis restart: `worker_exits`), so a
-   supervisor that restarts only on failure leaves it down
-   (`test_the_worker_exits_non_zero_when_the_database_does_not_answer`).
-4. A bad `budget_tokens`, `policy` or `basis` in a manifest is reported without the manifest
-   and dataset it came from (`test_bad_terms_in_a_manifest_name_where_they_are`).
+1. Fixed: a task that met a database or Redis outage outside the result store
+   (`store.prompt`, `record_attempt`, `ledger.admit`, ...) was acked and its prompt stranded
+   `queued` with no message until an enqueue re-run or the 5-10 min sweep, and an ADMIT whose
+   answer was lost kept its reservation. Workers now retry such tasks, uncounted, and free
+   the reservation (`test_retries_due_while_postgres_is_down_are_not_dropped`,
+   `test_a_blip_during_a_ledger_call_strands_no_prompt_and_leaks_no_reservation`).
+2. Fixed: `common.audit.requeue_lost` (the workers' sweep) did not rebuild ledgers after a
+   Redis loss, so a closed dataset showed `open` with 0 tokens used
+   (`test_redis_restart_with_total_data_loss_then_requeue_lost`).
+3. Open: `datagen worker` exits 0 after Celery's "Unrecoverable error" (database down at
+   start, or kombu's `'NoneType' object has no attribute 'hostname'` while restoring unacked
+   messages on a Redis reconnect, seen now and then on an empty Redis restart:
+   `worker_exits`), so a supervisor that restarts only on failure leaves it down
+   (`test_the_worker_exits_non_zero_when_the_database_does_not_answer`, strict xfail).
+4. Fixed: a bad `budget_tokens`, `policy` or `basis` in a manifest was reported without the
+   manifest and dataset it came from (`test_bad_terms_in_a_manifest_name_where_they_are`).
 """
 
 
