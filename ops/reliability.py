@@ -87,6 +87,7 @@ class Spec:
 
 
 def _specs() -> list[Spec]:
+    from tests import faultkit_producer as pk
     from tests import faultkit_scenarios as sc
     from tests import faultkit_sglang as sg
 
@@ -107,7 +108,7 @@ def _specs() -> list[Spec]:
              {"per_dataset": 1000, "phases": sg.ALL_PHASES * 2},
              {"per_dataset": 300, "phases": sg.ALL_PHASES}, sim=sglang_sim,
              settings=sglang_settings),
-        Spec("producer-kill", lambda s, p: sc.producer_kill(s, **p),
+        Spec("producer-kill", lambda s, p: pk.producer_kill(s, **p),
              {"prompts": 20_000, "kills": 3}, {"prompts": 4_000, "kills": 2}, sim=INSTANT,
              concurrency=16),
     ]

@@ -3,26 +3,16 @@ it measured. The tests run them small; ``python -m ops.reliability`` runs them l
 
 from __future__ import annotations
 
-import json
 import os
-import signal
-import subprocess
-import sys
 import time
-from collections import Counter
 from pathlib import Path
 
-import sqlalchemy as sa
-
-from common.audit import requeue_lost, sample_of
+from common.audit import requeue_lost
 from common.celery_app import make_celery
-from common.keys import dataset_keys
 from common.publish import Publisher
-from common.schema import prompts
-from tests.faultkit import ROOT, Workers, wait_for
+from tests.faultkit import Workers
 from tests.faultkit_checks import check_run, load_requests, queued_open, quiesce, settle
 from tests.faultkit_stack import (
-    ENQUEUE_FLAGS,
     Outcome,
     Stack,
     enqueue,
@@ -65,6 +55,22 @@ def settle_reviving(stack: Stack, workers: Workers, names: list[str],
         if settle(stack.store, names, min(5.0, deadline - time.monotonic())):
             return True
     return False
+
+
+def settle_or_stall(stack: Stack, workers: Workers, names: list[str], stall_s: float) -> bool:
+    """Settle (reviving crashed workers); False as soon as no prompt has settled for
+    ``stall_s`` while some are still queued: those are stranded, not merely slow."""
+    deadline = time.monotonic() + SETTLE_S
+    last, since = queued_open(stack.store, names), time.monotonic()
+    while last and time.monotonic() < deadline:
+        workers.revive()
+        time.sleep(0.2)
+        left = queued_open(stack.store, names)
+        if left != last:
+            last, since = left, time.monotonic()
+        elif time.monotonic() - since > stall_s:
+            return False
+    return last == 0
 
 
 def finish(stack: Stack, name: str, names: list[str], started: float, **kw: object) -> Outcome:
@@ -124,8 +130,8 @@ def _wait_closed(stack: Stack, name: str) -> None:
 
 def redis_blip(stack: Stack, per_dataset: int, blips: int = 1, grace_s: float = 20.0) -> Outcome:
     """Every Redis client connection is killed (CLIENT KILL TYPE normal) while tasks run.
-    Prompts still queued ``grace_s`` after the last blip were stranded; they are counted and
-    recovered as the workers' sweep would."""
+    If no prompt settles for ``grace_s`` while some are queued, those were stranded: they are
+    counted and recovered as the workers' sweep would."""
     assert stack.redis is not None
     started = time.monotonic()
     names = ["bl_a", "bl_b"]
@@ -141,7 +147,7 @@ def redis_blip(stack: Stack, per_dataset: int, blips: int = 1, grace_s: float = 
             faults.append(f"CLIENT KILL TYPE normal: {killed} connections")
             recovery.append(first_completion_after(stack, at))
         stranded = 0
-        if not settle_reviving(stack, workers, names, grace_s):
+        if not settle_or_stall(stack, workers, names, grace_s):
             # What the workers' sweep does after 5-10 minutes, done now (see the xfail
             # test_a_blip_during_a_ledger_call_strands_no_prompt_and_leaks_no_reservation).
             stranded = queued_open(stack.store, names)
@@ -156,8 +162,8 @@ def redis_blip(stack: Stack, per_dataset: int, blips: int = 1, grace_s: float = 
 
 def postgres_restart(stack: Stack, per_dataset: int, restarts: int = 1, down_s: float = 3.0,
                      grace_s: float = 10.0) -> Outcome:
-    """PostgreSQL restarts (fast shutdown, down for ``down_s``) mid-run. Whenever the run
-    stalls for ``grace_s`` the prompts left queued without a message are counted and an
+    """PostgreSQL restarts (fast shutdown, down for ``down_s``) mid-run. Whenever no prompt
+    settles for ``grace_s`` the prompts left queued without a message are counted and an
     operator's re-run of ``datagen enqueue`` recovers them; then the invariants are checked."""
     assert stack.pg is not None
     started = time.monotonic()
@@ -178,7 +184,7 @@ def postgres_restart(stack: Stack, per_dataset: int, restarts: int = 1, down_s: 
                 stuck.append(queued_open(stack.store, names))
                 rerun_enqueue(stack, manifest)
                 recovery.append(first_completion_after(stack, back))
-        if not settle_reviving(stack, workers, names, grace_s):
+        if not settle_or_stall(stack, workers, names, grace_s):
             stuck.append(queued_open(stack.store, names))
             rerun_enqueue(stack, manifest)
             settle_reviving(stack, workers, names)
@@ -187,61 +193,3 @@ def postgres_restart(stack: Stack, per_dataset: int, restarts: int = 1, down_s: 
              "worker_exits": workers.exits}
     return finish(stack, "PostgreSQL restart", names, started, faults=faults,
                    recovery_s=recovery, notes=notes)
-
-
-def producer_kill(stack: Stack, prompts: int, kills: int = 1) -> Outcome:
-    """``datagen enqueue`` is SIGKILLed mid-run ``kills`` times, then run to the end. Its
-    queue must then hold exactly one message per queued prompt; workers then do the rest."""
-    started = time.monotonic()
-    names = ["pk_a", "pk_b"]
-    manifest = write_manifest(stack, {n: (prompts // 2, None) for n in names})
-    faults = []
-    for i in range(kills):
-        stored = _kill_enqueue_at(stack, manifest, prompts * (i + 1) // (kills + 1))
-        sent = sum(stack.ledger.state(n).queued for n in names)
-        faults.append(f"SIGKILL of `datagen enqueue` with {stored:,} of {prompts:,} prompts "
-                      f"stored, {sent:,} messages published")
-    rerun_enqueue(stack, manifest)
-    missing, doubled = queue_exactness(stack, names)
-    with start_workers(stack) as workers:
-        settle_reviving(stack, workers, names, max(SETTLE_S, prompts / 20))
-        quiesce(stack.ledger, names)
-    notes = {"messages_missing_after_rerun": missing, "messages_doubled_after_rerun": doubled}
-    return finish(stack, "producer killed mid-enqueue", names, started, faults=faults,
-                   notes=notes)
-
-
-def _kill_enqueue_at(stack: Stack, manifest: Path, target: int) -> int:
-    env = {**os.environ, **stack.settings.to_env()}
-    proc = subprocess.Popen([sys.executable, "-m", "ops.cli", "enqueue", "--manifest",
-                             str(manifest), *ENQUEUE_FLAGS], env=env, cwd=ROOT,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    try:
-        wait_for(lambda: _stored(stack) >= target or proc.poll() is not None, 120,
-                 f"{target} prompts stored", 0.01)
-        proc.send_signal(signal.SIGKILL)
-    finally:
-        proc.wait(10)
-    assert proc.returncode == -signal.SIGKILL, "enqueue finished before it could be killed"
-    return _stored(stack)
-
-
-def _stored(stack: Stack) -> int:
-    with stack.store.engine.connect() as conn:
-        return int(conn.scalar(sa.select(sa.func.count()).select_from(prompts)) or 0)
-
-
-def queue_exactness(stack: Stack, names: list[str]) -> tuple[int, int]:
-    """(queued prompts without a message, messages beyond one per sample) in Redis."""
-    client, missing, doubled = stack.ledger.redis, 0, 0
-    for name in names:
-        seen: Counter[str] = Counter()
-        for key in dataset_keys(name).queue_lists:
-            for raw in client.lrange(key, 0, -1):
-                sample = sample_of(json.loads(raw))
-                if sample is not None:
-                    seen[sample[1]] += 1
-        queued = set(stack.store.sample_ids(name, "queued"))
-        missing += len(queued - set(seen))
-        doubled += sum(n - 1 for n in seen.values())
-    return missing, doubled

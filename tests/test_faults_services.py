@@ -26,8 +26,9 @@ from tests.conftest import make_settings
 from tests.faultkit import PrivateRedis, Sim, Workers, sim_faults, wait_for
 from tests.faultkit_checks import settle
 from tests.faultkit_pg import PrivatePostgres
+from tests.faultkit_producer import producer_kill
 from tests.faultkit_proxy import ResetProxy
-from tests.faultkit_scenarios import postgres_restart, producer_kill, redis_blip, redis_loss
+from tests.faultkit_scenarios import postgres_restart, redis_blip, redis_loss
 from tests.faultkit_stack import Outcome, Stack, enqueue, write_manifest
 from tests.helpers import enqueue_paths, running_worker
 from tests.test_pipeline_e2e import write_dataset
@@ -65,9 +66,7 @@ def test_redis_restart_with_total_data_loss_then_enqueue_rerun(
     assert stack.store.dataset("rl_cap").close_reason == "budget"
     for name in ("rl_a", "rl_b", "rl_cap"):  # the ledger has its terms back, from SQL
         assert stack.ledger.state(name).budget_tokens == stack.store.dataset(name).budget.tokens
-    # Only requests in flight at a loss can be generated again, once each.
-    assert out.check.requests_max <= 2
-    assert out.check.regenerated <= 2 * stack.workers * stack.concurrency
+    assert_in_flight_only_repeated(out, stack)
     assert max(out.recovery_s) < RECOVERY_LIMIT_S, out.recovery_s
 
 
@@ -77,9 +76,17 @@ def test_redis_restart_with_total_data_loss_then_requeue_lost(
     out, stack = _loss(tmp_path, private_redis, "requeue")
     assert len(out.faults) == 2 and all("requeue_lost" in f for f in out.faults)
     assert out.check.states["done"] == 200 + stack.store.prompt_counts("rl_cap")["done"]
-    assert out.check.requests_max <= 2
+    assert_in_flight_only_repeated(out, stack)
     assert out.notes["capped_closed_after_each_loss"] == [True, True]
     out.check.assert_ok()
+
+
+def assert_in_flight_only_repeated(out: Outcome, stack: Stack) -> None:
+    """Only a sample in flight at a loss is generated again: its task retries when its
+    charge meets the dead Redis, and the recovery republishes its still-queued prompt, so
+    it costs three requests at most; every other sample costs one."""
+    assert out.check.requests_max <= 3
+    assert out.check.regenerated <= len(out.faults) * stack.workers * stack.concurrency
 
 
 def test_redis_connection_blip_costs_at_most_one_extra_request(
@@ -89,7 +96,10 @@ def test_redis_connection_blip_costs_at_most_one_extra_request(
         stack = _stack(tmp_path, f"sqlite:///{tmp_path / 'db.sqlite'}", private_redis, sim)
         out = redis_blip(stack, per_dataset=40, blips=1, grace_s=8.0)
     out.check.assert_ok()  # no reservation left either (see the aimed blip below)
-    assert out.notes["stranded_until_sweep"] == 0
+    # kombu moves a message from its queue to ``unacked`` in two steps (BRPOP, then a
+    # write): a BRPOP whose reply dies with the killed connection leaves the prompt only in
+    # SQL, for the workers' sweep. Each worker's consumer has one BRPOP outstanding.
+    assert out.notes["stranded_until_sweep"] <= stack.workers * len(out.faults)
     assert out.check.states == {"done": 80}
     assert (out.check.lost, out.check.duplicated, out.check.drift) == (0, 0, 0)
     assert "connections" in out.faults[0] and not out.faults[0].endswith(": 0 connections")

@@ -62,10 +62,6 @@ def test_a_redis_that_does_not_answer_exits_3(
     assert "Redis at redis://:***@127.0.0.1:1/0 does not answer" in err and "s3cret" not in err
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "BUG workers/command.py: Celery's worker_main drops the worker's exit code, so "
-    "`datagen worker` exits 0 after 'Unrecoverable error' (database down at start, or "
-    "kombu's crash on a Redis reconnect): supervisors that restart on failure do not"))
 def test_the_worker_exits_non_zero_when_the_database_does_not_answer(
     env: Settings, tmp_path: Path
 ) -> None:

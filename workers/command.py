@@ -25,5 +25,24 @@ def run_worker(args: argparse.Namespace) -> int:
     # `datagen status` is the progress view. Failures and retries still log.
     for name in ("celery.app.trace", "celery.worker.strategy"):
         logging.getLogger(name).setLevel(logging.WARNING)
-    app.worker_main(argv)
-    return 0
+    return _celery_main(app, argv)
+
+
+def _celery_main(app: object, argv: list[str]) -> int:
+    """Run Celery's CLI and return its exit code.
+
+    ``app.worker_main`` and ``app.start`` drop the code that ``celery worker`` computes
+    (``worker.exitcode``, 1 after an "Unrecoverable error"), so a worker that could not
+    start would exit 0 and a supervisor would not notice it. Click returns that code when
+    it does not own the process (``standalone_mode=False``).
+    """
+    from celery.bin.celery import celery as celery_command
+    from click.exceptions import Exit
+
+    celery_command.params[0].default = app
+    try:
+        return int(celery_command.main(args=argv, standalone_mode=False) or 0)
+    except Exit as exc:
+        return int(exc.exit_code)
+    finally:
+        celery_command.params[0].default = None

@@ -6,6 +6,8 @@ even on failure: SIGTERM, then SIGKILL after a grace period. Traffic goes to 127
 
 from __future__ import annotations
 
+import fcntl
+import hashlib
 import os
 import shutil
 import signal
@@ -154,8 +156,40 @@ def bench_settings(db_url: str, sim_url: str, concurrency: int = 64) -> Settings
 
 # -- services --------------------------------------------------------------------------------
 
+_locks: list[Any] = []
+LOCK_WAIT_S = 7200.0
+
+
+def hold_locks() -> None:
+    """Run alone: one benchmark at a time per Redis database and per bench directory.
+
+    Benchmarks flush their Redis DB and rewrite their directory, so a second run against
+    either would corrupt both. The locks are flock()s, released when the process exits.
+    """
+    if _locks:
+        return
+    WORKDIR.mkdir(parents=True, exist_ok=True)
+    for key in (REDIS_URL, str(WORKDIR.resolve())):
+        digest = hashlib.sha1(key.encode()).hexdigest()[:12]
+        fh = open(f"/tmp/datagen-bench-{digest}.lock", "w")  # noqa: SIM115
+        deadline, told = time.monotonic() + LOCK_WAIT_S, False
+        while True:
+            try:
+                fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if not told:
+                    print(f"another benchmark holds {key}; waiting", file=sys.stderr, flush=True)
+                    told = True
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"{key} stayed locked for {LOCK_WAIT_S:.0f}s") from None
+                time.sleep(1.0)
+        _locks.append(fh)
+
+
 def fresh_redis() -> redis.Redis:
     """The benchmarks' own Redis database, emptied."""
+    hold_locks()
     client = redis.Redis.from_url(REDIS_URL)
     client.flushdb()
     return client
@@ -163,8 +197,8 @@ def fresh_redis() -> redis.Redis:
 
 def fresh_db(kind: str, tag: str = "bench") -> str:
     """An empty SQLite file or the emptied ``bench`` PostgreSQL database; returns its URL."""
+    hold_locks()
     if kind == "sqlite":
-        WORKDIR.mkdir(parents=True, exist_ok=True)
         path = WORKDIR / f"{tag}.db"
         for suffix in ("", "-wal", "-shm"):
             Path(f"{path}{suffix}").unlink(missing_ok=True)
@@ -185,6 +219,7 @@ def publisher(app: Any) -> Any:
 
 
 def clean_workdir() -> None:
+    hold_locks()
     shutil.rmtree(WORKDIR / "tmp", ignore_errors=True)
     (WORKDIR / "tmp").mkdir(parents=True, exist_ok=True)
 
