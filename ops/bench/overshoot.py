@@ -1,10 +1,12 @@
 """Benchmark 4b, overshoot per policy: drain, abort and exact, three datasets at once.
 
 One worker at concurrency 64 against a simulator with 64 slots, a mean output of 4,000
-tokens and a fast decode (800 tok/s per sequence), each dataset with a budget of 400k
-tokens (100 samples' worth). Overshoot = tokens kept − budget (SQL); wasted = tokens of
-partial outputs aborted on the server (its request log); late = requests that reached
-the server after the close. Targets: drain ≤ 1% of budget, abort ≤ one response, exact 0.
+tokens (lognormal, up to 16,384) and a fast decode (2,000 tok/s per sequence), each
+dataset with the default budget of 10M tokens (``--quick``: 400k, 100 samples' worth,
+where one long response alone is 4% of the budget). Overshoot = tokens kept − budget
+(SQL); wasted = tokens of partial outputs aborted on the server (its request log);
+late = requests that reached the server after the close. Targets: drain ≤ 1% of budget,
+abort ≤ one response, exact 0.
 
     python -m ops.bench.overshoot [--quick]
 """
@@ -12,6 +14,7 @@ the server after the close. Targets: drain ≤ 1% of budget, abort ≤ one respo
 from __future__ import annotations
 
 import argparse
+import random
 import time
 from typing import Any
 
@@ -43,23 +46,27 @@ POLICIES = ("drain", "abort", "exact")
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m ops.bench.overshoot", description=__doc__)
-    p.add_argument("--quick", action="store_true", help="one run, budgets of 100k")
+    p.add_argument("--quick", action="store_true", help="one run, budgets of 400k")
     p.add_argument("--runs", type=int, help="default 3")
-    p.add_argument("--budget", type=int, help="tokens per dataset (default 400,000)")
+    p.add_argument("--budget", type=int, help="tokens per dataset (default 10,000,000)")
     p.add_argument("--mean-output", type=int, default=4000)
-    p.add_argument("--decode", type=float, default=800.0)
+    p.add_argument("--decode", type=float, default=2000.0, help="tok/s per sequence")
     p.add_argument("--concurrency", type=int, default=64)
-    p.add_argument("--timeout", type=float, default=300.0, help="bound of one run, s")
+    p.add_argument("--timeout", type=float, default=1500.0, help="bound of one run, s")
     args = p.parse_args(argv)
     args.runs = args.runs or (1 if args.quick else 3)
-    args.budget = args.budget or (100_000 if args.quick else 400_000)
+    args.budget = args.budget or (400_000 if args.quick else 10_000_000)
     return args
 
 
-def prepare(args: argparse.Namespace, settings: Any) -> None:
+def prepare(args: argparse.Namespace, settings: Any, run: int) -> None:
     n = int(2.5 * args.budget / args.mean_output) + args.concurrency
     for policy in POLICIES:
-        folder = write_dataset(WORKDIR / "tmp" / f"over-{policy}", f"over_{policy}", n, 250)
+        # New prompts each run: the simulator's output lengths are seeded by the prompt, so
+        # the same prompts would replay the same lengths and drain the same way every run.
+        rng = random.Random(f"over_{policy}-{run}")
+        folder = write_dataset(WORKDIR / "tmp" / f"over-{policy}", f"over_{policy}", n, 250,
+                               rng=rng)
         enqueue(settings, folder.parent, Budget(args.budget, "output", policy),  # type: ignore[arg-type]
                 max_new_tokens=16384)
 
@@ -97,12 +104,13 @@ def measure(store: Store, ledger: Ledger, name: str, budget: int,
     }
 
 
-def one_run(procs: Processes, args: argparse.Namespace, sim_url: str) -> dict[str, Any]:
+def one_run(procs: Processes, args: argparse.Namespace, sim_url: str,
+            run: int) -> dict[str, Any]:
     import requests
 
     r = fresh_redis()
     settings = bench_settings(fresh_db("sqlite", "overshoot"), sim_url, args.concurrency)
-    prepare(args, settings)
+    prepare(args, settings, run)
     sim_reset(sim_url)
     ledger = Ledger(r)
     worker = start_worker(procs, settings, args.concurrency)
@@ -160,7 +168,7 @@ def main(argv: list[str] | None = None) -> int:
     with Processes() as procs:
         sim_url, _ = start_sim(procs, slots=args.concurrency, decode=args.decode,
                                mean_output=args.mean_output)
-        runs = [one_run(procs, args, sim_url) for _ in range(args.runs)]
+        runs = [one_run(procs, args, sim_url, i) for i in range(args.runs)]
     figures = report(args, runs)
     emit("overshoot", args, {"machine": machine(), "budget": args.budget, "runs": args.runs,
                              **figures})
