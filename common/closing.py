@@ -10,8 +10,6 @@ Tasks that still reach a worker later are dropped by the ledger's admission chec
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
 from datetime import UTC, datetime
 
 from celery import Celery
@@ -42,19 +40,6 @@ def after_close(
         app.control.revoke_by_stamped_headers({STAMP: stamp}, reply=False)
     if client is not None and state.policy in ("abort", "exact"):
         rids = ledger.inflight_rids(name)
-        _abort_all(client, rids)
-        log.info("dataset %s closed: aborted %d requests in flight", name, len(rids))
-
-
-# Aborts in parallel: every token a request decodes after the close is wasted, and one
-# abort after another costs a round trip each (64 in flight: tens of milliseconds).
-ABORT_THREADS = 16
-
-
-def _abort_all(client: SGLangClient, rids: Sequence[str]) -> None:
-    if len(rids) <= 1:
         for rid in rids:
             client.abort(rid)
-        return
-    with ThreadPoolExecutor(min(ABORT_THREADS, len(rids)), thread_name_prefix="abort") as pool:
-        list(pool.map(client.abort, rids))
+        log.info("dataset %s closed: aborted %d requests in flight", name, len(rids))
