@@ -2,11 +2,18 @@
 
 Requests go out as token ids with a unique rid and explicit sampling parameters; the
 answer's ``output_ids`` are checked against ``meta_info.completion_tokens``.
+
+/generate goes through ``common.httpwire`` on one kept-alive connection per thread and
+server (``requests`` cost a worker more CPU than the rest of a sample's path); the rare
+calls (abort, health, model info) use ``requests``.
 """
 
 from __future__ import annotations
 
+import http.client
 import itertools
+import json
+import ssl
 import threading
 from dataclasses import dataclass
 from typing import Any
@@ -18,6 +25,15 @@ from common.errors import (
     PermanentError,
     ServerUnreachable,
     TransientError,
+)
+from common.httpwire import (
+    Answer,
+    FastConnection,
+    Route,
+    dropped,
+    new_connection,
+    request_head,
+    route,
 )
 
 NEEDED_VERSION = "SGLang >= 0.5.5"
@@ -39,21 +55,15 @@ class Completion:
     e2e_latency_s: float | None
 
 
-def _error_message(resp: requests.Response) -> str:
+def _error_message(answer: Answer) -> str:
     try:
-        body = resp.json()
+        body = json.loads(answer.body)
     except ValueError:
-        return resp.text[:500] or resp.reason
+        return answer.body[:500].decode("utf-8", "replace") or answer.reason
     err = body.get("error", body.get("message", body)) if isinstance(body, dict) else body
     if isinstance(err, dict):
         err = err.get("message", err)
     return str(err)[:1000]
-
-
-def _refused(exc: requests.ConnectionError) -> bool:
-    """Nothing listens (or resolves): the request never reached the server."""
-    text = str(exc)
-    return "NewConnectionError" in text or "NameResolutionError" in text
 
 
 def parse_completion(body: Any, rid: str, server: str) -> Completion:
@@ -93,7 +103,8 @@ def parse_completion(body: Any, rid: str, server: str) -> Completion:
 
 
 class SGLangClient:
-    """Spreads requests over one or more servers, one HTTP session per thread."""
+    """Spreads requests over one or more servers, one kept-alive connection per thread
+    and server."""
 
     def __init__(
         self,
@@ -111,14 +122,19 @@ class SGLangClient:
         self._headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self._models: dict[str, str] = {}
         self._proxies = requests.utils.get_environ_proxies(urls[0]) if urls else {}
+        # Proxy settings are read from the environment once, here, never per request.
+        self._routes = {u: route(u, requests.utils.get_environ_proxies(u)) for u in urls}
+        self._post_headers = {
+            u: {"Content-Type": "application/json", **self._headers, **dict(r.proxy_headers)}
+            for u, r in self._routes.items()
+        }
+        self._heads = {u: request_head(r, self._headers) for u, r in self._routes.items()}
 
     def _session(self) -> requests.Session:
         session = getattr(self._local, "session", None)
         if session is None:
             session = requests.Session()
             session.headers.update(self._headers)
-            # Proxy settings are read from the environment once, here, instead of on every
-            # request (requests' trust_env walks the environment and netrc each time).
             session.trust_env = False
             session.proxies = self._proxies
             self._local.session = session
@@ -137,33 +153,82 @@ class SGLangClient:
             "sampling_params": sampling_params,
             "stream": False,
         }
-        try:
-            resp = self._session().post(f"{server}/generate", json=payload, timeout=self.timeout)
-        except requests.ConnectTimeout as exc:
-            raise ServerUnreachable(f"{server}: connect timed out", server=server) from exc
-        except requests.Timeout as exc:
-            raise TransientError(f"{server}: timed out ({exc})", server=server) from exc
-        except requests.ConnectionError as exc:
-            if _refused(exc):
-                raise ServerUnreachable(f"{server}: connection refused", server=server) from exc
-            raise TransientError(f"{server}: connection failed ({exc})", server=server) from exc
-        if resp.status_code in RETRYABLE_STATUS:
+        answer = self._post_generate(server, json.dumps(payload, separators=(",", ":")).encode())
+        if answer.status in RETRYABLE_STATUS:
             raise TransientError(
-                f"{server}: HTTP {resp.status_code}: {_error_message(resp)}",
+                f"{server}: HTTP {answer.status}: {_error_message(answer)}",
                 server=server,
-                status=resp.status_code,
+                status=answer.status,
             )
-        if resp.status_code != 200:
+        if answer.status != 200:
             raise PermanentError(
-                f"{server}: HTTP {resp.status_code}: {_error_message(resp)}",
+                f"{server}: HTTP {answer.status}: {_error_message(answer)}",
                 server=server,
-                status=resp.status_code,
+                status=answer.status,
             )
         try:
-            body = resp.json()
+            body = json.loads(answer.body)
         except ValueError as exc:
             raise TransientError(f"{server}: answer is not JSON", server=server) from exc
         return parse_completion(body, rid, server)
+
+    def _post_generate(self, server: str, body: bytes) -> Answer:
+        """One POST on this thread's connection to ``server``; a broken one is dropped."""
+        target = self._routes.get(server) or route(server, {})
+        headers = self._post_headers.get(server) or {"Content-Type": "application/json"}
+        conn = self._connection(server, target)
+        try:
+            if isinstance(conn, FastConnection):
+                head = self._heads.get(server) or request_head(target, self._headers)
+                return conn.exchange(target.generate_path, head, body)
+            conn.request("POST", target.generate_path, body, headers)
+            resp = conn.getresponse()
+            return Answer(resp.status, resp.reason, resp.read())
+        except TimeoutError as exc:
+            conn.close()
+            raise TransientError(
+                f"{server}: timed out (read timeout={self.timeout[1]}s)", server=server
+            ) from exc
+        except (OSError, http.client.HTTPException) as exc:
+            conn.close()
+            raise TransientError(f"{server}: connection failed ({exc!r})", server=server) from exc
+        except BaseException:
+            conn.close()  # half a request on the wire: the connection cannot be reused
+            raise
+
+    def _connection(self, server: str, target: Route) -> http.client.HTTPConnection:
+        conns: dict[str, http.client.HTTPConnection] | None = getattr(self._local, "conns", None)
+        if conns is None:
+            conns = self._local.conns = {}
+        conn = conns.get(server)
+        if conn is None:
+            conn = conns[server] = new_connection(target, self.timeout[0])
+        if conn.sock is not None and dropped(conn.sock):
+            conn.close()
+        if conn.sock is None:
+            self._connect(server, conn)
+        return conn
+
+    def _connect(self, server: str, conn: http.client.HTTPConnection) -> None:
+        """Connect now, not inside request(), so a server that is not there is told apart
+        from one that failed mid-answer."""
+        conn.timeout = self.timeout[0]
+        try:
+            conn.connect()
+        except TimeoutError as exc:
+            conn.close()
+            raise ServerUnreachable(f"{server}: connect timed out", server=server) from exc
+        except ssl.SSLError as exc:
+            conn.close()
+            raise TransientError(f"{server}: TLS failed ({exc})", server=server) from exc
+        except OSError as exc:
+            conn.close()
+            raise ServerUnreachable(f"{server}: connection refused", server=server) from exc
+        except BaseException:
+            conn.close()
+            raise
+        if conn.sock is not None:
+            conn.sock.settimeout(self.timeout[1])
 
     def abort(self, rid: str) -> None:
         """Abort a request on every server (a rid lives on one; the others ignore it)."""

@@ -8,6 +8,7 @@ message Redis no longer holds is enqueued again.
 from __future__ import annotations
 
 import itertools
+from collections import deque
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -26,6 +27,9 @@ from producer.reader import PromptRecord, ReadReport, read_dataset
 from producer.template import ChatTemplater
 
 CHUNK = 1000
+# Chunks handed to the writer and not yet written: enough to keep every stage busy while
+# one waits, few enough that memory stays a few chunks of prompts.
+PIPELINE_DEPTH = 2
 Progress = Callable[[int], None]
 
 
@@ -49,7 +53,29 @@ class Limits:
     max_seq_len: int = 32768
 
 
+@dataclass(frozen=True)
+class _Written:
+    """What storing and publishing one chunk did, counted on the writer thread."""
+
+    summary: DatasetSummary
+    read: int
+    enqueued: int
+    skipped: int
+
+
+class _Abandoned(Exception):
+    """A chunk not written because an earlier one failed; that failure is the one raised."""
+
+
 class Enqueuer:
+    """Runs the producer as three overlapping stages: this thread reads, settles and
+    renders; one thread tokenizes (Rust, off the GIL); one thread stores and publishes.
+
+    Each chunk is stored before it is published and chunks are written in order, so a
+    producer killed at any point leaves only prompts stored as queued without a message,
+    which the next run publishes.
+    """
+
     def __init__(
         self,
         store: Store,
@@ -64,9 +90,15 @@ class Enqueuer:
         self.limits = limits
         self.progress = progress or (lambda n: None)
         self._tokenizing = ThreadPoolExecutor(max_workers=1)
+        self._writing = ThreadPoolExecutor(max_workers=1)
+        self._written: deque[Future[_Written]] = deque()
+        self._failed = False
 
     def run(self, plans: list[DatasetPlan]) -> list[DatasetSummary]:
         self._tokenizing = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenize")
+        self._writing = ThreadPoolExecutor(max_workers=1, thread_name_prefix="store")
+        self._written.clear()
+        self._failed = False
         summaries = [DatasetSummary(p.name) for p in plans]
         streams = [self._dataset(p, s) for p, s in zip(plans, summaries, strict=True)]
         # Round-robin over datasets, one chunk each, so every queue fills from the start.
@@ -75,8 +107,12 @@ class Enqueuer:
                 for stream in list(streams):
                     if next(stream, None) is None:
                         streams.remove(stream)
+            self._collect(0)
         finally:
-            self._tokenizing.shutdown(wait=True, cancel_futures=True)
+            for pool in (self._tokenizing, self._writing):
+                pool.shutdown(wait=True, cancel_futures=True)
+        for summary in summaries:
+            summary.closed = self.ledger.is_closed(summary.name)
         self.publisher.announce([p.name for p in plans])
         return summaries
 
@@ -110,32 +146,56 @@ class Enqueuer:
         report = ReadReport(dataset=plan.name, files=[str(f) for f in plan.files])
         records = read_dataset(plan.name, plan.files, report)
         chunks = iter(lambda: list(itertools.islice(records, CHUNK)), [])
-        ahead = self._encode_ahead(next(chunks, None), states)
-        while ahead is not None:
-            chunk, fresh, encoded = ahead
-            # Tokenization releases the GIL: the next chunk's runs while this one is stored
-            # and published.
-            ahead = self._encode_ahead(next(chunks, None), states)
-            to_send = self._settle(chunk, states, in_redis, summary)
-            to_send += self._store_fresh(plan, fresh, encoded.result(), states, summary)
-            summary.closed = self.ledger.is_closed(plan.name)
-            if to_send and not summary.closed:
-                self.publisher.publish(plan.name, ds.stamp, to_send)
-                summary.enqueued += len(to_send)
-            self.progress(len(chunk))
+        for chunk in chunks:
+            fresh = [r for r in chunk if r.sample_id not in states]
+            # Rendered here, so the tokenizing thread only runs Rust (without the GIL) and
+            # the next chunk renders while this one is tokenized.
+            texts = [self.templater.render(r.messages) for r in fresh]
+            encoded = self._tokenizing.submit(self.templater.tokenize, texts)
+            lost = self._settle(chunk, states, in_redis, summary)
+            self._written.append(self._writing.submit(
+                self._write, plan, ds.stamp, summary, len(chunk), fresh, encoded, lost
+            ))
+            self._collect(PIPELINE_DEPTH)
             yield True
-        summary.closed = self.ledger.is_closed(plan.name)
         summary.read, summary.bad, summary.duplicates = report.read, report.bad, report.duplicates
         summary.problems = list(report.problems)
 
-    def _encode_ahead(
-        self, chunk: list[PromptRecord] | None, states: dict[str, str]
-    ) -> tuple[list[PromptRecord], list[PromptRecord], Future[list[list[int]]]] | None:
-        if chunk is None:
-            return None
-        fresh = [r for r in chunk if r.sample_id not in states]
-        convs = [list(r.messages) for r in fresh]
-        return chunk, fresh, self._tokenizing.submit(self.templater.encode_batch, convs)
+    def _collect(self, keep: int) -> None:
+        """Wait for written chunks until at most ``keep`` are pending; count them."""
+        while len(self._written) > keep:
+            done = self._written.popleft().result()
+            done.summary.enqueued += done.enqueued
+            done.summary.skipped += done.skipped
+            self.progress(done.read)
+
+    def _write(
+        self, plan: DatasetPlan, stamp: str, summary: DatasetSummary, read: int,
+        fresh: list[PromptRecord], encoded: Future[list[list[int]]], lost: list[str],
+    ) -> _Written:
+        """Store a chunk's new prompts, then publish them with the ones Redis lost."""
+        if self._failed:
+            # Chunks queued behind a failed one are not written: the run stops at the first
+            # error, as it did when it wrote in its own thread.
+            raise _Abandoned()
+        try:
+            return self._store_and_publish(plan, stamp, summary, read, fresh, encoded, lost)
+        except BaseException:
+            self._failed = True
+            raise
+
+    def _store_and_publish(
+        self, plan: DatasetPlan, stamp: str, summary: DatasetSummary, read: int,
+        fresh: list[PromptRecord], encoded: Future[list[list[int]]], lost: list[str],
+    ) -> _Written:
+        rows = self._prompt_rows(plan, fresh, encoded.result())
+        self.store.insert_prompts(rows)
+        new = [row["sample_id"] for row in rows if row["state"] == "queued"]
+        to_send, skipped = lost + new, len(rows) - len(new)
+        if not to_send or self.ledger.is_closed(plan.name):
+            return _Written(summary, read, 0, skipped)
+        self.publisher.publish(plan.name, stamp, to_send)
+        return _Written(summary, read, len(to_send), skipped)
 
     @staticmethod
     def _settle(
@@ -156,22 +216,6 @@ class Enqueuer:
                 summary.already_queued += 1
             elif state == "queued":
                 to_send.append(r.sample_id)
-        return to_send
-
-    def _store_fresh(
-        self, plan: DatasetPlan, fresh: list[PromptRecord], ids: list[list[int]],
-        states: dict[str, str], summary: DatasetSummary,
-    ) -> list[str]:
-        """Store new prompts; return the sample ids that need a message."""
-        rows = self._prompt_rows(plan, fresh, ids)
-        self.store.insert_prompts(rows)
-        to_send = []
-        for row in rows:
-            states[row["sample_id"]] = row["state"]
-            if row["state"] == "queued":
-                to_send.append(row["sample_id"])
-            else:
-                summary.skipped += 1
         return to_send
 
     def _prompt_rows(

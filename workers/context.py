@@ -16,12 +16,11 @@ from common.ledger import Ledger
 from common.settings import Settings
 from common.sglang_client import SGLangClient
 from common.store import DatasetRow, Store
+from workers.results import ResultWriter
 
 log = logging.getLogger(__name__)
 DATASET_CACHE_S = 5.0
 Decoder = Callable[[Sequence[int]], str]
-
-
 @dataclass
 class WorkerContext:
     settings: Settings
@@ -29,9 +28,13 @@ class WorkerContext:
     ledger: Ledger
     client: SGLangClient
     app: Celery | None = None
+    results: ResultWriter = field(init=False)
     _datasets: dict[str, tuple[float, DatasetRow]] = field(default_factory=dict)
     _decoders: dict[str, Decoder | None] = field(default_factory=dict)
     _lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def __post_init__(self) -> None:
+        self.results = ResultWriter(self.store)
 
     @classmethod
     def build(cls, settings: Settings, app: Celery | None = None) -> WorkerContext:
@@ -78,6 +81,9 @@ _context_lock = threading.Lock()
 
 def get_context(app: Celery) -> WorkerContext:
     """The app's context, built on first use (after the pool forks, if it does)."""
+    ctx = getattr(app, "datagen_context", None)
+    if ctx is not None:  # every task asks: no lock once it exists
+        return ctx
     with _context_lock:
         ctx = getattr(app, "datagen_context", None)
         if ctx is None:

@@ -108,7 +108,7 @@ def keep(ctx: WorkerContext, ds: DatasetRow, sample_id: str, completion: Complet
     if charge.status is Charge.REFUSED:
         return Outcome.DISCARDED
     row = result_row(ctx, ds, sample_id, completion, charge)
-    inserted = with_db_retry(lambda: ctx.store.save_result(row))
+    inserted = with_db_retry(lambda: ctx.results.save(row))
     if charge.status is Charge.DUPLICATE and inserted:
         # Charged before a crash that lost the store: price the result now kept.
         cost = ds.budget.cost(row["prompt_tokens"], row["completion_tokens"])

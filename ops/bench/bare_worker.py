@@ -4,6 +4,9 @@ Same app options (``common.celery_app.celery_config``), same task name and queue
 messages (the real producer publishes them), threads pool at the same concurrency. The
 task posts the same ``/generate`` body the pipeline would (ids loaded at start from
 ``DATAGEN_BENCH_PAYLOADS``), parses the JSON answer and returns: no SQL, no ledger.
+The call goes through ``requests``, unless ``DATAGEN_BENCH_BARE_CLIENT=sglang``: then
+through the pipeline's own ``SGLangClient``, so a leaner client is not counted as less
+pipeline overhead.
 
     celery -A ops.bench.bare_worker worker --pool=threads -c 64 -Q datagen.q.B1,...
 """
@@ -21,6 +24,7 @@ from celery import Task
 
 from common.celery_app import GENERATE_TASK, make_celery
 from common.settings import Settings
+from common.sglang_client import SGLangClient
 
 settings = Settings.from_env()
 app = make_celery(settings, main="bench-bare")
@@ -30,6 +34,9 @@ _PAYLOADS: dict[str, Any] = json.loads(
 ) if os.environ.get("DATAGEN_BENCH_PAYLOADS") else {}
 _local = threading.local()
 _SERVER = settings.sglang_urls[0]
+_CLIENT = SGLangClient(settings.sglang_urls, connect_timeout_s=settings.connect_timeout_s,
+                       read_timeout_s=settings.request_timeout_s) \
+    if os.environ.get("DATAGEN_BENCH_BARE_CLIENT") == "sglang" else None
 
 
 def _session() -> requests.Session:
@@ -42,7 +49,10 @@ def _session() -> requests.Session:
 @app.task(name=GENERATE_TASK, bind=True, acks_late=True, shared=False)
 def generate(self: Task, dataset: str, sample_id: str) -> int:
     p = _PAYLOADS[f"{dataset}/{sample_id}"]
-    body = {"rid": f"{uuid.uuid4().hex}-{dataset}", "input_ids": p["input_ids"],
+    rid = f"{uuid.uuid4().hex}-{dataset}"
+    if _CLIENT is not None:
+        return _CLIENT.generate(_SERVER, rid, p["input_ids"], p["sampling"]).completion_tokens
+    body = {"rid": rid, "input_ids": p["input_ids"],
             "sampling_params": p["sampling"], "stream": False}
     resp = _session().post(f"{_SERVER}/generate", json=body,
                            timeout=(settings.connect_timeout_s, settings.request_timeout_s))

@@ -1,10 +1,12 @@
 """The worker's per-task steps in isolation, each next to a candidate fix (µs per call).
 
 Single thread, sequential calls, same data, side by side:
-  * the /generate call: ``requests`` session as SGLangClient builds it (``trust_env``
-    on: proxy and netrc lookups in os.environ on every request) vs ``trust_env=False``;
+  * the /generate call: a ``requests`` session (``trust_env`` on: proxy and netrc lookups
+    in os.environ on every request; and off) vs ``SGLangClient.generate`` (one kept-alive
+    plain-HTTP connection per thread, minimal response parsing);
   * ``Store.prompt`` and ``Store.save_result`` vs the same SQL as statements built once
-    with bind parameters (no statement construction or cache-key walk per call);
+    with bind parameters, and ``Store.save_results`` committing 8 rows at a time (the
+    worker's group commit), per row;
   * the ledger round trips of a task (``admit`` + ``charge``);
   * a connection pool under 64 threads: SQLAlchemy's default for SQLite vs 64 slots.
 
@@ -27,6 +29,7 @@ from common.budget import Budget
 from common.db import insert_ignore
 from common.ledger import Ledger
 from common.schema import prompts, results, utcnow
+from common.sglang_client import SGLangClient
 from common.store import Store
 from ops.bench.harness import Processes, bench_settings, fresh_db, fresh_redis, machine, start_sim
 from ops.bench.report import Summary, emit, table
@@ -65,8 +68,15 @@ def http_cases(url: str, payloads: list[dict[str, Any]]) -> dict[str, Callable[[
         body = {**payloads[i % len(payloads)], "rid": uuid.uuid4().hex}
         return session.post(f"{url}/generate", json=body, timeout=(5, 60)).json()
 
-    return {"/generate, requests trust_env=True (as is)": lambda i: post(default, i),
-            "/generate, requests trust_env=False": lambda i: post(plain, i)}
+    client = SGLangClient((url,), read_timeout_s=60)
+
+    def lean(i: int) -> Any:
+        p = payloads[i % len(payloads)]
+        return client.generate(url, uuid.uuid4().hex, p["input_ids"], p["sampling_params"])
+
+    return {"/generate, requests trust_env=True": lambda i: post(default, i),
+            "/generate, requests trust_env=False": lambda i: post(plain, i),
+            "/generate, SGLangClient.generate (as is)": lean}
 
 
 def sql_cases(store: Store, keys: list[tuple[str, str]]) -> dict[str, Callable[[int], Any]]:
@@ -101,10 +111,15 @@ def sql_cases(store: Store, keys: list[tuple[str, str]]) -> dict[str, Callable[[
                                     "b_now": utcnow()})
         return n
 
+    def grouped(i: int) -> Any:
+        if i % 8 == 0:
+            store.save_results([row(i + k, "g") for k in range(8)])
+
     return {"Store.prompt (as is)": lambda i: store.prompt(*keys[i % len(keys)]),
             "SELECT prompt, statement built once": prebuilt_select,
             "Store.save_result (as is)": lambda i: store.save_result(row(i, "a")),
-            "INSERT + UPDATE, statements built once": prebuilt_save}
+            "INSERT + UPDATE, statements built once": prebuilt_save,
+            "Store.save_results, 8 rows a commit (per row)": grouped}
 
 
 def ledger_cases(ledger: Ledger) -> dict[str, Callable[[int], Any]]:

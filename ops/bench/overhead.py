@@ -3,18 +3,28 @@
 An instant simulator (``--decode-tok-per-s 0 --mean-output-tokens 16``) makes the worker
 the bottleneck. Legs alternate in one run: full pipeline on SQLite, on PostgreSQL, then
 the bare task (same options, same messages, same HTTP call). Targets: pipeline / bare
-≥ 0.8 and ≥ 400 completions/s. ``--profile`` adds a SQLite leg under py-spy.
+≥ 0.8 and ≥ 400 completions/s. ``--profile`` adds a leg under py-spy (first database of ``--dbs``).
+``--baseline DIR`` adds, in each round, a leg per database whose worker runs the code of
+another checkout (e.g. ``git archive HEAD | tar -x -C DIR``): old and new side by side.
 
-    python -m ops.bench.overhead [--quick] [--profile]
+    python -m ops.bench.overhead [--quick] [--profile] [--baseline DIR]
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import os
+import subprocess
+import sys
 import time
+from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
+from common.settings import Settings
 from ops.bench import profiling
+from ops.bench import runs as bench_runs
 from ops.bench.harness import (
     WORKDIR,
     Processes,
@@ -41,23 +51,60 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--rounds", type=int, help="rounds of (pipeline..., bare) (default 3)")
     p.add_argument("--dbs", default="sqlite,postgresql")
     p.add_argument("--concurrency", type=int, default=64)
-    p.add_argument("--profile", action="store_true", help="one more SQLite leg under py-spy")
+    p.add_argument("--profile", action="store_true",
+                   help="one more leg under py-spy, on the first of --dbs")
+    p.add_argument("--baseline", type=Path, help="a checkout whose worker code to compare with")
+    p.add_argument("--bare-sglang", action="store_true",
+                   help="one more bare leg whose call goes through SGLangClient, not requests")
     args = p.parse_args(argv)
     args.samples = args.samples or (600 if args.quick else 3000)
     args.rounds = args.rounds or (2 if args.quick else 3)
     return args
 
 
+BASELINE_SUFFIX = "@baseline"
+BARE_SGLANG = "bare-sglang"
+
+
 def one_leg(procs: Processes, sim: tuple[str, int], args: argparse.Namespace, kind: str,
             n: int = 0, on_start: Any = None) -> Leg:
     n = n or args.samples
+    db = "sqlite" if kind.startswith("bare") else kind.removesuffix(BASELINE_SUFFIX)
     fresh_redis()
-    settings = bench_settings(fresh_db("sqlite" if kind == "bare" else kind, tag=kind),
-                              sim[0], args.concurrency)
+    settings = bench_settings(fresh_db(db, tag=db), sim[0], args.concurrency)
     enqueue(settings, prompt_files(n), max_new_tokens=1024)
     if kind == "bare":
         return bare_celery_leg(procs, "bare celery task", settings, sim, n)
+    if kind == BARE_SGLANG:
+        os.environ["DATAGEN_BENCH_BARE_CLIENT"] = "sglang"  # read by the worker it starts
+        try:
+            return bare_celery_leg(procs, "bare celery task, SGLangClient", settings, sim, n)
+        finally:
+            del os.environ["DATAGEN_BENCH_BARE_CLIENT"]
+    if kind.endswith(BASELINE_SUFFIX):
+        with workers_from(args.baseline):
+            return pipeline_leg(procs, f"pipeline {kind}", settings, sim, n)
     return pipeline_leg(procs, f"pipeline {kind}", settings, sim, n, on_start=on_start)
+
+
+@contextlib.contextmanager
+def workers_from(tree: Path) -> Iterator[None]:
+    """Pipeline legs started meanwhile run ``datagen worker`` from ``tree``'s code: its
+    directory goes first on sys.path, ahead of this checkout's."""
+    boot = (f"import runpy, sys; sys.path.insert(0, {str(tree.resolve())!r}); "
+            "runpy.run_module('ops.cli', run_name='__main__', alter_sys=True)")
+
+    def start(procs: Processes, settings: Settings, concurrency: int,
+              tag: str = "worker") -> subprocess.Popen[bytes]:
+        argv = [sys.executable, "-c", boot, "worker", "--concurrency", str(concurrency),
+                "--loglevel", "WARNING"]
+        return procs.start(argv, env=settings.to_env(), log=WORKDIR / f"{tag}-baseline.log")
+
+    default, bench_runs.start_worker = bench_runs.start_worker, start  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        bench_runs.start_worker = default
 
 
 def profile_leg(procs: Processes, sim: tuple[str, int],
@@ -71,7 +118,8 @@ def profile_leg(procs: Processes, sim: tuple[str, int],
             recorders.append((gil, out, profiling.record(procs, workers[0].pid, out, gil=gil)))
 
     try:
-        leg = one_leg(procs, sim, args, "sqlite", n=max(args.samples, PROFILE_SAMPLES),
+        db = args.dbs.split(",")[0] or "sqlite"
+        leg = one_leg(procs, sim, args, db, n=max(args.samples, PROFILE_SAMPLES),
                       on_start=attach)
     finally:
         for _, _, rec in recorders:
@@ -86,6 +134,7 @@ WORKER_STEPS: tuple[tuple[str, str], ...] = (
     ("SGLangClient.generate (HTTP + JSON)", "SGLangClient.generate ("),
     ("Ledger.charge (Lua)", "Ledger.charge ("), ("result_row", "result_row ("),
     ("Store.save_result (INSERT + UPDATE)", "Store.save_result ("),
+    ("ResultWriter.save (group commit: INSERT + UPDATE)", "ResultWriter.save ("),
     ("run_sample, other", "run_sample ("), ("Celery task tracer", "trace_task ("),
     ("thread pool", "_worker (concurrent"),
     ("consumer: Celery request from message", "task_message_handler ("),
@@ -131,7 +180,9 @@ def show_profile(prof: dict[str, Any]) -> dict[str, Any]:
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    kinds = [k for k in args.dbs.split(",") if k] + ["bare"]
+    dbs = [k for k in args.dbs.split(",") if k]
+    kinds = dbs + ([d + BASELINE_SUFFIX for d in dbs] if args.baseline else []) + ["bare"] \
+        + ([BARE_SGLANG] if args.bare_sglang else [])
     legs: dict[str, list[Leg]] = {k: [] for k in kinds}
     prof: dict[str, Any] | None = None
     clean_workdir()
@@ -149,29 +200,38 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 def report(args: argparse.Namespace, legs: dict[str, list[Leg]],
            prof: dict[str, Any] | None) -> dict[str, Any]:
-    bare = legs["bare"]
+    bare, lean = legs["bare"], legs.get(BARE_SGLANG)
     rows, figures = [], {}
     for kind, runs in legs.items():
         rate = Summary.of([leg.rate for leg in runs])
-        ratio = Summary.of([a.rate / b.rate for a, b in zip(runs, bare, strict=True) if b.rate])
+        ratio = _ratios(runs, bare)
         worker_ms = Summary.of([leg.cpu_ms_per_task("workers") for leg in runs])
         sim_ms = Summary.of([leg.cpu_ms_per_task("sim") for leg in runs])
         sim_core = Summary.of([100 * leg.cpu_s["sim"] / leg.window_s for leg in runs])
-        rows.append((runs[0].label, rate.fmt(), ratio.fmt(3), worker_ms.fmt(2), sim_ms.fmt(2),
-                     sim_core.fmt(0)))
+        rows.append((runs[0].label, rate.fmt(), ratio.fmt(3),
+                     *([_ratios(runs, lean).fmt(3)] if lean else []), worker_ms.fmt(2),
+                     sim_ms.fmt(2), sim_core.fmt(0)))
         figures[kind] = {"rate": rate, "ratio_to_bare": ratio, "worker_cpu_ms_per_task":
                          worker_ms, "sim_cpu_ms_per_task": sim_ms, "sim_core_pct": sim_core}
+        if lean:
+            figures[kind]["ratio_to_bare_sglang_client"] = _ratios(runs, lean)
     table(f"overhead at max rate: {args.samples} samples/leg, {args.rounds} rounds, "
           f"c={args.concurrency} (median [min-max])",
-          ["leg", "completions/s", "ratio to bare", "worker CPU ms/task", "sim CPU ms/task",
-           "sim % of a core"], rows)
+          ["leg", "completions/s", "ratio to bare",
+           *(["ratio to bare, SGLangClient"] if lean else []), "worker CPU ms/task",
+           "sim CPU ms/task", "sim % of a core"], rows)
     checks = [(k, figures[k]["rate"].median, figures[k]["ratio_to_bare"].median)
-              for k in legs if k != "bare"]
+              for k in legs if not k.startswith("bare")]
     table("targets: ratio >= 0.8 and >= 400 completions/s", ["leg", "rate", "ratio"],
           [(k, verdict(r, TARGET_RATE), verdict(q, TARGET_RATIO)) for k, r, q in checks])
     if prof:
         figures["profile"] = show_profile(prof)
     return figures
+
+
+def _ratios(runs: list[Leg], base: list[Leg]) -> Summary:
+    """Per round: each leg against the base leg of the same round."""
+    return Summary.of([a.rate / b.rate for a, b in zip(runs, base, strict=True) if b.rate])
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -36,7 +36,7 @@ PRODUCER_RULES: tuple[tuple[str, str], ...] = (
     ("render chat template (jinja)", "render ("),
     ("tokenize (Rust)", "_tokenize ("),
     ("store prompts (SQL)", "insert_prompts ("),
-    ("publish (kombu batch)", "publish ("),
+    ("publish (one LPUSH a chunk)", "publish ("),
     ("register / reconcile", "_register ("),
     ("prompt rows", "_prompt_rows ("),
     ("other Enqueuer", "Enqueuer."),

@@ -1,23 +1,19 @@
-"""Publishing one message per prompt: the producer's path against cheaper ones.
+"""Publishing one message per prompt: the producer's path against Celery's own.
 
 µs per message, side by side on the same sample ids, each into an emptied queue:
   * ``send_task`` per message in ``Producer.batch`` with Celery's defaults;
-  * the producer's ``Publisher.publish`` (the same, with its own tuning);
-  * a prebuilt envelope: one real message from ``Publisher`` as a template, per message a
-    new task id and body, pipelined ``LPUSH`` (what a dedicated fast path would do).
+  * ``send_task`` per message with the producer's options (the producer's path before
+    the template, and still its fallback);
+  * the producer's ``Publisher.publish``: one prototype message per chunk from Celery and
+    kombu, copied per sample id, and one ``LPUSH`` for the whole chunk.
 All three put the same Celery protocol-2 envelope in the queue.
 """
 
 from __future__ import annotations
 
-import base64
-import json
 import time
-import uuid
 from collections.abc import Callable
 from typing import Any
-
-import redis
 
 from common.celery_app import GENERATE_TASK, STAMP, make_celery
 from common.keys import queue_name
@@ -37,44 +33,23 @@ def _bare_send_task(app: Any, ids: list[str]) -> None:
                           add_to_parent=False, stamped_headers=[STAMP], **{STAMP: STAMP_VALUE})
 
 
-class Envelope:
-    """A real producer message with the per-task fields replaced."""
-
-    def __init__(self, r: redis.Redis, app: Any) -> None:
-        publisher(app).publish(DATASET, STAMP_VALUE, ["template"])
-        raw = r.rpop(queue_name(DATASET))
-        assert raw is not None, "no template message"
-        self.template: dict[str, Any] = json.loads(raw)  # type: ignore[arg-type]
-        self.embed = json.loads(base64.b64decode(self.template["body"]))[2]
-        self.r = r
-
-    def message(self, sid: str) -> bytes:
-        task_id = str(uuid.uuid4())
-        kwargs = {"dataset": DATASET, "sample_id": sid}
-        body = json.dumps([[], kwargs, self.embed]).encode()
-        headers = {**self.template["headers"], "id": task_id, "root_id": task_id,
-                   "kwargsrepr": repr(kwargs)}
-        props = {**self.template["properties"], "correlation_id": task_id,
-                 "delivery_tag": str(uuid.uuid4())}
-        return json.dumps({**self.template, "body": base64.b64encode(body).decode(),
-                           "headers": headers, "properties": props}).encode()
-
-    def publish(self, ids: list[str]) -> None:
-        pipe = self.r.pipeline(transaction=False)
-        for start in range(0, len(ids), 1000):
-            pipe.lpush(queue_name(DATASET), *(self.message(s) for s in ids[start:start + 1000]))
-        pipe.execute()
+def _tuned_send_task(app: Any, ids: list[str]) -> None:
+    pub = publisher(app)
+    for start in range(0, len(ids), 1000):
+        with app.producer_or_acquire() as producer:
+            pub._publish_via_celery(producer, queue_name(DATASET), DATASET, STAMP_VALUE,
+                                    ids[start:start + 1000])
 
 
 def run(n: int, reps: int) -> dict[str, Summary]:
     r = fresh_redis()
     app = make_celery(bench_settings("sqlite://", "http://127.0.0.1:9"))
-    env = Envelope(r, app)
     paths: dict[str, Callable[[list[str]], None]] = {
         "send_task with Celery's defaults": lambda ids: _bare_send_task(app, ids),
-        "Publisher.publish (the producer's, send_task per message)":
-            lambda ids: publisher(app).publish(DATASET, STAMP_VALUE, ids),
-        "prebuilt envelope + pipelined LPUSH": env.publish,
+        "send_task with the producer's options (its fallback)":
+            lambda ids: _tuned_send_task(app, ids),
+        "Publisher.publish (the producer's: template + one LPUSH a chunk)":
+            lambda ids: publisher(app).publish_all(DATASET, STAMP_VALUE, ids),
     }
     times: dict[str, list[float]] = {k: [] for k in paths}
     sizes: dict[str, int] = {}

@@ -1,0 +1,160 @@
+"""The producer's pipelined enqueue: exact counts over many chunks and datasets, resume
+after lost messages, skips, closed datasets, and errors raised from the writer thread."""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from pathlib import Path
+
+import pytest
+import redis
+
+from common.audit import sample_of
+from common.budget import Budget
+from common.celery_app import make_celery
+from common.keys import dataset_keys
+from common.ledger import Ledger
+from common.settings import Settings
+from common.store import Store
+from producer import enqueue as enqueue_module
+from producer.enqueue import Enqueuer, Limits
+from producer.plan import plans_from_paths
+from producer.template import BUNDLED_TOKENIZER, ChatTemplater
+from tests.conftest import make_settings
+
+
+@pytest.fixture
+def settings(sqlite_url: str, redis_client: redis.Redis) -> Settings:
+    return make_settings(sqlite_url, "http://127.0.0.1:9")
+
+
+@pytest.fixture(scope="module")
+def templater() -> ChatTemplater:
+    return ChatTemplater(str(BUNDLED_TOKENIZER))
+
+
+def _write(folder: Path, name: str, n: int, long_every: int = 0) -> Path:
+    path = folder / f"{name}.jsonl"
+    with path.open("w") as fh:
+        for i in range(n):
+            words = 400 if long_every and i % long_every == 0 else 6
+            text = " ".join(f"{name}{i}w{k}" for k in range(words))
+            fh.write(json.dumps({"id": f"{name}-{i}", "messages": [
+                {"role": "user", "content": text}]}) + "\n")
+    return path
+
+
+def _run(settings: Settings, templater: ChatTemplater, paths: list[Path],
+         max_seq_len: int = 4096, budget: Budget | None = None,
+         progress: list[int] | None = None) -> dict[str, enqueue_module.DatasetSummary]:
+    plans = plans_from_paths([str(p) for p in paths], budget or Budget(), {}, 256)
+    enqueuer = Enqueuer(Store(settings.database_url),
+                        Ledger(redis.Redis.from_url(settings.redis_url)),
+                        make_celery(settings), templater, Limits(max_seq_len),
+                        progress=None if progress is None else progress.append)
+    return {s.name: s for s in enqueuer.run(plans)}
+
+
+def _messages(client: redis.Redis, name: str) -> Counter[str]:
+    seen: Counter[str] = Counter()
+    for key in dataset_keys(name).queue_lists:
+        for raw in client.lrange(key, 0, -1):
+            sample = sample_of(json.loads(raw))
+            assert sample is not None and sample[0] == name
+            seen[sample[1]] += 1
+    return seen
+
+
+@pytest.fixture(autouse=True)
+def small_chunks(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Many chunks per dataset, so the pipeline has several in flight at once.
+    monkeypatch.setattr(enqueue_module, "CHUNK", 37)
+
+
+def test_many_chunks_over_datasets_store_and_publish_each_prompt_once(
+    settings: Settings, templater: ChatTemplater, redis_client: redis.Redis, tmp_path: Path
+) -> None:
+    sizes = {"a": 300, "b": 37, "c": 1, "d": 150}
+    progress: list[int] = []
+    out = _run(settings, templater, [_write(tmp_path, n, k) for n, k in sizes.items()],
+               progress=progress)
+    store = Store(settings.database_url)
+    for name, n in sizes.items():
+        assert (out[name].read, out[name].enqueued, out[name].skipped) == (n, n, 0)
+        assert _messages(redis_client, name) == Counter({f"{name}-{i}": 1 for i in range(n)})
+        assert store.prompt_counts(name) == {"queued": n}
+        first = store.prompt(name, f"{name}-0")
+        assert first is not None
+        assert first.input_ids == templater.encode_batch(
+            [[{"role": "user", "content": " ".join(f"{name}0w{k}" for k in range(6))}]])[0]
+    assert sum(progress) == sum(sizes.values())
+
+
+def test_rerun_sends_nothing_twice_and_resends_what_redis_lost(
+    settings: Settings, templater: ChatTemplater, redis_client: redis.Redis, tmp_path: Path
+) -> None:
+    path = _write(tmp_path, "again", 120)
+    _run(settings, templater, [path])
+    again = _run(settings, templater, [path])["again"]
+    assert (again.enqueued, again.already_queued) == (0, 120)
+    lost = [f"again-{i}" for i in range(0, 120, 3)]
+    for key in dataset_keys("again").queue_lists:
+        kept = [raw for raw in redis_client.lrange(key, 0, -1)
+                if (sample_of(json.loads(raw)) or ("", ""))[1] not in lost]
+        redis_client.delete(key)
+        if kept:
+            redis_client.rpush(key, *kept)
+    third = _run(settings, templater, [path])["again"]
+    assert (third.enqueued, third.already_queued) == (len(lost), 120 - len(lost))
+    assert _messages(redis_client, "again") == Counter({f"again-{i}": 1 for i in range(120)})
+
+
+def test_prompts_too_long_are_stored_skipped_and_not_sent(
+    settings: Settings, templater: ChatTemplater, redis_client: redis.Redis, tmp_path: Path
+) -> None:
+    path = _write(tmp_path, "long", 100, long_every=10)
+    first = _run(settings, templater, [path], max_seq_len=1000)["long"]
+    assert (first.enqueued, first.skipped) == (90, 10)
+    assert set(_messages(redis_client, "long")) == {f"long-{i}" for i in range(100) if i % 10}
+    store = Store(settings.database_url)
+    assert store.prompt_counts("long") == {"queued": 90, "skipped": 10}
+    again = _run(settings, templater, [path], max_seq_len=1000)["long"]
+    assert (again.enqueued, again.skipped, again.already_queued) == (0, 10, 90)
+
+
+def test_a_closed_dataset_is_stored_but_not_sent(
+    settings: Settings, templater: ChatTemplater, redis_client: redis.Redis, tmp_path: Path
+) -> None:
+    _run(settings, templater, [_write(tmp_path, "shut", 80)])
+    Ledger(redis_client).close("shut", "manual")
+    out = _run(settings, templater, [_write(tmp_path, "shut", 120)])["shut"]
+    assert out.closed and out.enqueued == 0
+    assert not _messages(redis_client, "shut")
+    assert Store(settings.database_url).prompt_counts("shut") == {"queued": 120}
+
+
+def test_a_failed_publish_stops_the_run_and_the_rerun_completes_it(
+    settings: Settings, templater: ChatTemplater, redis_client: redis.Redis, tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    path = _write(tmp_path, "flaky", 200)
+    calls = Counter[str]()
+    real = enqueue_module.Publisher.publish
+
+    def publish_then_fail(self: enqueue_module.Publisher, dataset: str, stamp: str,
+                          ids: list[str]) -> None:
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise redis.ConnectionError("Redis went away")
+        real(self, dataset, stamp, ids)
+
+    monkeypatch.setattr(enqueue_module.Publisher, "publish", publish_then_fail)
+    with pytest.raises(redis.ConnectionError):
+        _run(settings, templater, [path])
+    sent = _messages(redis_client, "flaky")
+    assert len(sent) == 2 * 37 and max(sent.values()) == 1
+    monkeypatch.setattr(enqueue_module.Publisher, "publish", real)
+    rerun = _run(settings, templater, [path])["flaky"]
+    assert rerun.enqueued + rerun.already_queued == 200
+    assert _messages(redis_client, "flaky") == Counter({f"flaky-{i}": 1 for i in range(200)})

@@ -1,0 +1,64 @@
+"""Storing prompts: the producer's bulk insert stores exactly what SQLAlchemy's would."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import sqlalchemy as sa
+
+from common.db import insert_ignore
+from common.schema import prompts
+from common.store import Store
+
+
+def _rows(n: int, state: str = "queued") -> list[dict[str, Any]]:
+    return [{
+        "dataset": "st",
+        "sample_id": f"s{i}",
+        "state": state,
+        "messages": [{"role": "system", "content": "Sé brief ✓"},
+                     {"role": "user", "content": f'question "{i}"\n\\ {{}}'}],
+        "input_ids": [i, 0, 4_000_000_000, 7] * (i % 5),
+        "prompt_tokens": 4 * (i % 5),
+        "max_new_tokens": 1000 - i,
+        "source": f"/tmp/st.jsonl:{i + 1}" if i % 3 else None,
+        "error": "too long" if i % 7 == 0 else None,
+    } for i in range(n)]
+
+
+def _raw(store: Store) -> list[tuple[Any, ...]]:
+    cols = [c.name for c in prompts.c if c.name not in ("created_at", "updated_at")]
+    with store.engine.connect() as conn:
+        return list(conn.exec_driver_sql(
+            f"SELECT {', '.join(cols)} FROM prompts ORDER BY sample_id"))
+
+
+def test_sqlite_rows_equal_sqlalchemys_byte_for_byte(tmp_path: Path) -> None:
+    ours = Store(f"sqlite:///{tmp_path / 'ours.db'}")
+    reference = Store(f"sqlite:///{tmp_path / 'reference.db'}")
+    rows = _rows(50)
+    ours.insert_prompts(rows)
+    with reference.engine.begin() as conn:
+        conn.execute(insert_ignore(reference.engine, prompts), rows)
+    assert _raw(ours) == _raw(reference)
+    with ours.engine.connect() as conn:
+        stamps = conn.execute(sa.select(prompts.c.created_at, prompts.c.updated_at)).all()
+    assert all(created is not None and created == updated for created, updated in stamps)
+
+
+def test_prompts_read_back_and_a_second_insert_changes_nothing(db_url: str) -> None:
+    store = Store(db_url)
+    rows = _rows(30)
+    store.insert_prompts(rows)
+    store.insert_prompts(_rows(30, state="skipped"))
+    store.insert_prompts([])
+    assert store.prompt_counts("st") == {"queued": 30}
+    for row in rows:
+        got = store.prompt("st", row["sample_id"])
+        assert got is not None
+        assert (got.input_ids, got.prompt_tokens, got.max_new_tokens, got.attempts) == (
+            row["input_ids"], row["prompt_tokens"], row["max_new_tokens"], 0)
+    with store.engine.connect() as conn:
+        stored = dict(conn.execute(sa.select(prompts.c.sample_id, prompts.c.messages)).all())
+    assert stored == {row["sample_id"]: row["messages"] for row in rows}
