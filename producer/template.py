@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -41,7 +42,10 @@ _PROBES: list[list[dict[str, str]]] = [
 
 
 def _load_tokenizer(name: str) -> Any:
-    # transformers is slow to import; only pay for it when a templater is built.
+    # transformers is slow to import; only pay for it when a templater is built. datagen
+    # needs only its tokenizers and chat templates, so its advice that PyTorch is missing
+    # would send users to install a GPU stack for nothing.
+    os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
     from transformers import AutoTokenizer
 
     if Path(name).is_dir():
