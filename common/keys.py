@@ -22,6 +22,8 @@ No other module spells a key string; tests import these functions too.
     datagen:workers                       zset    workers: name -> last heartbeat none
     datagen:worker:{name}:tags            set     that worker: delivery tags of   none
                                                   the messages it holds unacked
+    datagen:worker:{name}:rids            set     that worker: rids of its        2 x dead
+                                                  requests in flight (heartbeat)   after
     datagen:reaper                        string  the worker reaping dead ones    20 s
     datagen:sweeper                       string  the worker re-enqueueing lost    5 min
                                                   prompts (SQL queued, not in Redis)
@@ -77,6 +79,10 @@ def dataset_keys(name: str) -> DatasetKeys:
 
 def worker_tags(worker: str) -> str:
     return f"{PREFIX}:worker:{worker}:tags"
+
+
+def worker_rids(worker: str) -> str:
+    return f"{PREFIX}:worker:{worker}:rids"
 
 
 def queue_name(dataset: str) -> str:

@@ -47,11 +47,12 @@ below, now fixed). **worker exits**: worker processes that died and were restart
 **counter drift**: the sum over datasets of |Redis `used` - SQL sum| + |Redis `samples` -
 result rows|. **recovery**: seconds from the service being back (or the blip) until SGLang
 receives a request that then completes; for a stalled run it includes the wait and the
-operator's re-run. **max requests / sample**: the most `/generate` requests the simulator
-saw for one sample. Every run also checks that no reservation is left, that SQL and Redis
-agree on which datasets are closed, and that each budget is within its policy's bound
-(drain: total concurrency x max_new_tokens). Datasets closed by their budget keep their
-remaining prompts `queued`, by design.
+operator's re-run; for worker-kill, seconds from the SIGKILL until every message the dead
+worker held unacked is back in its queue (the reaper). **max requests / sample**: the most
+`/generate` requests the simulator saw for one sample. Every run also checks that no
+reservation is left, that SQL and Redis agree on which datasets are closed, and that each
+budget is within its policy's bound (drain: total concurrency x max_new_tokens). Datasets
+closed by their budget keep their remaining prompts `queued`, by design.
 
 ## Issues these scenarios found
 
@@ -64,11 +65,11 @@ remaining prompts `queued`, by design.
 2. Fixed: `common.audit.requeue_lost` (the workers' sweep) did not rebuild ledgers after a
    Redis loss, so a closed dataset showed `open` with 0 tokens used
    (`test_redis_restart_with_total_data_loss_then_requeue_lost`).
-3. Open: `datagen worker` exits 0 after Celery's "Unrecoverable error" (database down at
+3. Fixed: `datagen worker` exited 0 after Celery's "Unrecoverable error" (database down at
    start, or kombu's `'NoneType' object has no attribute 'hostname'` while restoring unacked
    messages on a Redis reconnect, seen now and then on an empty Redis restart:
-   `worker_exits`), so a supervisor that restarts only on failure leaves it down
-   (`test_the_worker_exits_non_zero_when_the_database_does_not_answer`, strict xfail).
+   `worker_exits`), so a supervisor that restarts only on failure left it down. It now
+   exits 1 (`test_the_worker_exits_non_zero_when_the_database_does_not_answer`).
 4. Fixed: a bad `budget_tokens`, `policy` or `basis` in a manifest was reported without the
    manifest and dataset it came from (`test_bad_terms_in_a_manifest_name_where_they_are`).
 """
@@ -95,6 +96,8 @@ def _specs() -> list[Spec]:
     sglang_settings = {"request_timeout_s": 1.5, "max_attempts": 8, "retry_base_s": 0.3,
                        "retry_max_s": 1.5}
     return [
+        Spec("worker-kill", lambda s, p: sc.worker_kill(s, **p),
+             {"per_dataset": 1000, "kills": 3}, {"per_dataset": 150, "kills": 2}),
         Spec("redis-loss-enqueue", lambda s, p: sc.redis_loss(s, recover="enqueue", **p),
              {"per_dataset": 1000, "losses": 3}, {"per_dataset": 150, "losses": 2}),
         Spec("redis-loss-requeue", lambda s, p: sc.redis_loss(s, recover="requeue", **p),

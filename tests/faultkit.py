@@ -22,6 +22,8 @@ from typing import Any
 import redis
 import requests
 
+from common.keys import WORKERS, worker_tags
+from common.replies import texts
 from common.settings import Settings
 from ops.localredis import answers, free_port
 
@@ -154,6 +156,15 @@ class Workers:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def held_unacked(client: redis.Redis, worker: str) -> set[str]:
+    """Delivery tags of the messages worker ``worker`` (started as ``worker@localhost``)
+    holds unacked, as its heartbeat registered them."""
+    mine = [n for n in texts(client.zrange(WORKERS, 0, -1))
+            if n.startswith(f"{worker}@localhost/")]
+    tags = {t for n in mine for t in texts(client.smembers(worker_tags(n)))}
+    return {t for t in tags if client.hexists("unacked", t)}
 
 
 def run_cli(settings: Settings, *argv: str, timeout_s: float = 120) -> subprocess.CompletedProcess:

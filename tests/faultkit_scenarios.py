@@ -10,7 +10,7 @@ from pathlib import Path
 from common.audit import requeue_lost
 from common.celery_app import make_celery
 from common.publish import Publisher
-from tests.faultkit import Workers
+from tests.faultkit import Workers, held_unacked
 from tests.faultkit_checks import check_run, load_requests, queued_open, quiesce, settle
 from tests.faultkit_stack import (
     Outcome,
@@ -193,3 +193,47 @@ def postgres_restart(stack: Stack, per_dataset: int, restarts: int = 1, down_s: 
              "worker_exits": workers.exits}
     return finish(stack, "PostgreSQL restart", names, started, faults=faults,
                    recovery_s=recovery, notes=notes)
+
+
+def worker_kill(stack: Stack, per_dataset: int, kills: int = 3) -> Outcome:
+    """Workers SIGKILLed mid-generation, taking turns; each is replaced at once, as a
+    supervisor would. Recovery is the time from a kill until every message the dead
+    worker held unacked has been returned to its queue by the other workers' reaper."""
+    started = time.monotonic()
+    names = ["wk_a", "wk_b"]
+    enqueue(stack, write_manifest(stack, {n: (per_dataset, None) for n in names}))
+    faults, recovery = [], []
+    with start_workers(stack) as workers:
+        for i in range(kills):
+            if not _wait_turn(stack, names, i, kills, 2 * per_dataset):
+                break
+            wait_busy(stack, names, stack.concurrency)
+            victim = sorted(workers.procs)[i % len(workers.procs)]
+            held = _wait_holding(stack, victim)
+            workers.kill(victim)
+            faults.append(f"SIGKILL of worker {victim} holding {len(held)} unacked messages")
+            recovery.append(_returned_s(stack, held))
+            workers.start(f"{victim}k", stack.concurrency)
+        settle_reviving(stack, workers, names)
+        quiesce(stack.ledger, names)
+    return finish(stack, "worker SIGKILL", names, started, faults=faults,
+                  recovery_s=recovery)
+
+
+def _wait_holding(stack: Stack, worker: str) -> set[str]:
+    deadline = time.monotonic() + 30
+    while not (held := held_unacked(stack.ledger.redis, worker)):
+        assert time.monotonic() < deadline, f"{worker} never held a message"
+        time.sleep(0.05)
+    return held
+
+
+def _returned_s(stack: Stack, held: set[str], limit_s: float = 180.0) -> float:
+    """Seconds until each held tag has left ``unacked`` (a returned message may be taken
+    again at once under the same tag, so each counts from the first time it is gone)."""
+    killed_at, waiting = time.monotonic(), set(held)
+    while waiting:
+        assert time.monotonic() - killed_at < limit_s, f"{len(waiting)} messages never came back"
+        waiting = {t for t in waiting if stack.ledger.redis.hexists("unacked", t)}
+        time.sleep(0.05)
+    return time.monotonic() - killed_at

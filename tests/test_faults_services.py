@@ -28,7 +28,7 @@ from tests.faultkit_checks import settle
 from tests.faultkit_pg import PrivatePostgres
 from tests.faultkit_producer import producer_kill
 from tests.faultkit_proxy import ResetProxy
-from tests.faultkit_scenarios import postgres_restart, redis_blip, redis_loss
+from tests.faultkit_scenarios import postgres_restart, redis_blip, redis_loss, worker_kill
 from tests.faultkit_stack import Outcome, Stack, enqueue, write_manifest
 from tests.helpers import enqueue_paths, running_worker
 from tests.test_pipeline_e2e import write_dataset
@@ -53,6 +53,20 @@ def _loss(tmp: Path, private_redis: PrivateRedis, recover: str) -> tuple[Outcome
     with Sim(tmp / "sim.jsonl", **PACED) as sim:
         stack = _stack(tmp, f"sqlite:///{tmp / 'db.sqlite'}", private_redis, sim)
         return redis_loss(stack, per_dataset=100, losses=2, recover=recover), stack
+
+
+def test_worker_sigkills_lose_nothing_and_leave_no_reservation(
+    private_redis: PrivateRedis, tmp_path: Path
+) -> None:
+    """A killed worker's reservations are freed by the reaper, as its messages are: left
+    behind, they would hold the dataset's admission short of its budget for good."""
+    with Sim(tmp_path / "sim.jsonl", **PACED) as sim:
+        stack = _stack(tmp_path, f"sqlite:///{tmp_path / 'db.sqlite'}", private_redis, sim)
+        out = worker_kill(stack, per_dataset=100, kills=2)
+    out.check.assert_ok()  # every prompt settled once, counters = SQL, no reservation left
+    assert len(out.faults) == 2 and all("SIGKILL" in f for f in out.faults)
+    assert out.check.states == {"done": 200}
+    assert max(out.recovery_s) < RECOVERY_LIMIT_S, out.recovery_s
 
 
 def test_redis_restart_with_total_data_loss_then_enqueue_rerun(

@@ -14,11 +14,11 @@ import pytest
 import redis
 import requests
 
-from common.keys import WORKERS, worker_tags
 from common.ledger import Ledger
 from common.settings import Settings
 from common.store import Store
 from tests.conftest import make_settings
+from tests.faultkit import held_unacked
 from tests.helpers import assert_invariants, enqueue_paths, wait_settled
 from tests.test_pipeline_e2e import write_dataset
 
@@ -45,13 +45,6 @@ def start_worker(settings: Settings, name: str, log: Path) -> subprocess.Popen[b
              "-n", f"{name}@localhost"],
             env=env, stdout=out, stderr=subprocess.STDOUT,
         )
-
-
-def held_unacked(client: redis.Redis, worker: str) -> set[str]:
-    names = [n.decode() for n in client.zrange(WORKERS, 0, -1)]
-    mine = [n for n in names if n.startswith(f"{worker}@localhost/")]
-    tags = {t.decode() for n in mine for t in client.smembers(worker_tags(n))}
-    return {t for t in tags if client.hexists("unacked", t)}
 
 
 def kill_and_time_recovery(

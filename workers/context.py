@@ -16,6 +16,7 @@ from common.ledger import Ledger
 from common.settings import Settings
 from common.sglang_client import SGLangClient
 from common.store import DatasetRow, Store
+from workers.inflight import LiveRids
 from workers.results import ResultWriter
 
 log = logging.getLogger(__name__)
@@ -29,6 +30,7 @@ class WorkerContext:
     client: SGLangClient
     app: Celery | None = None
     results: ResultWriter = field(init=False)
+    live_rids: LiveRids = field(default_factory=LiveRids)
     _datasets: dict[str, tuple[float, DatasetRow]] = field(default_factory=dict)
     _decoders: dict[str, Decoder | None] = field(default_factory=dict)
     _lock: threading.Lock = field(default_factory=threading.Lock)

@@ -23,7 +23,15 @@ from celery import Celery
 
 from common.audit import requeue_lost
 from common.errors import ConfigError
-from common.keys import REAPER_LOCK, SWEEPER_LOCK, WORKERS, dataset_of_queue, worker_tags
+from common.keys import (
+    REAPER_LOCK,
+    SWEEPER_LOCK,
+    WORKERS,
+    dataset_of_queue,
+    worker_rids,
+    worker_tags,
+)
+from common.ledger import Ledger
 from common.publish import Publisher
 from common.replies import texts
 from workers.context import get_context
@@ -66,11 +74,14 @@ def dead_workers(client: redis.Redis, now: float, dead_after_s: float) -> list[s
     return texts(client.zrangebyscore(WORKERS, "-inf", now - dead_after_s))
 
 
-def reap(app: Celery, client: redis.Redis, dead_after_s: float) -> int:
+def reap(app: Celery, client: redis.Redis, dead_after_s: float,
+         suspects: dict[tuple[str, str], float] | None = None) -> int:
     """Return orphaned messages to their queues; returns how many came back.
 
     An orphan is a message unacked for longer than ``dead_after_s`` that no live worker
     holds: its worker stopped beating, or died between receiving it and recording it.
+    With ``suspects`` (this reaper's memory between passes), orphaned reservations are
+    freed too (see ``release_orphaned_reservations``).
     """
     if not client.set(REAPER_LOCK, "1", nx=True, ex=max(1, int(dead_after_s))):
         return 0
@@ -78,12 +89,46 @@ def reap(app: Celery, client: redis.Redis, dead_after_s: float) -> int:
         now = time.time()
         for worker in dead_workers(client, now, dead_after_s):
             log.warning("worker %s stopped beating; reaping its messages", worker)
-            client.delete(worker_tags(worker))
+            client.delete(worker_tags(worker), worker_rids(worker))
             client.zrem(WORKERS, worker)
+        if suspects is not None:
+            freed = release_orphaned_reservations(client, suspects, time.monotonic(),
+                                                  dead_after_s)
+            if freed:
+                log.warning("reaper: freed %d reservations of requests no live worker runs",
+                            freed)
         with app.connection_for_write() as conn:
             return _restore_orphans(conn.default_channel, client, now - dead_after_s)
     finally:
         client.delete(REAPER_LOCK)
+
+
+def release_orphaned_reservations(client: redis.Redis, suspects: dict[tuple[str, str], float],
+                                  now: float, grace_s: float) -> int:
+    """Free every reservation no live worker has claimed for ``grace_s`` (by this clock).
+
+    A live worker publishes its rids at every beat, at most one interval after admission
+    and ``grace_s`` is above two intervals, so only a request whose worker died stays
+    unclaimed that long. A reservation freed in error would only let one more request
+    start: the charge of a rid no longer reserved changes nothing but the counters.
+    """
+    live = [worker_rids(w) for w in texts(client.zrange(WORKERS, 0, -1))]
+    claimed = set(texts(client.sunion(live))) if live else set()
+    ledger, seen, freed = Ledger(client), set(), 0
+    for name in ledger.known():
+        for rid in ledger.inflight_rids(name):
+            if rid in claimed:
+                continue
+            key = (name, rid)
+            seen.add(key)
+            first = suspects.setdefault(key, now)
+            if now - first >= grace_s:
+                ledger.release(name, rid)
+                freed += 1
+    for key in list(suspects):
+        if key not in seen or now - suspects[key] >= grace_s:
+            del suspects[key]
+    return freed
 
 
 def _restore_orphans(channel: Any, client: redis.Redis, delivered_before: float) -> int:
@@ -139,6 +184,7 @@ class Heartbeat:
         self.app, self.client, self.worker, self.received = app, client, worker, received
         self.interval_s, self.dead_after_s = interval_s, dead_after_s
         self._next_sweep = time.monotonic() + SWEEP_EVERY_S
+        self._suspects: dict[tuple[str, str], float] = {}
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True, name="datagen-heartbeat")
 
@@ -154,7 +200,7 @@ class Heartbeat:
         self._stop.set()
         # A clean shutdown returns its own messages (kombu); nothing is left to reap.
         self.client.zrem(WORKERS, self.worker)
-        self.client.delete(worker_tags(self.worker))
+        self.client.delete(worker_tags(self.worker), worker_rids(self.worker))
 
     def _run(self) -> None:
         while True:
@@ -164,7 +210,8 @@ class Heartbeat:
                 if tags:
                     self.client.sadd(worker_tags(self.worker), *tags)
                 prune(self.client, self.worker, self._unacked_key())
-                restored = reap(self.app, self.client, self.dead_after_s)
+                self._publish_rids()
+                restored = reap(self.app, self.client, self.dead_after_s, self._suspects)
                 if restored:
                     log.info("reaper: %d messages returned to their queues", restored)
             except Exception:
@@ -172,6 +219,18 @@ class Heartbeat:
             self._maybe_sweep()
             if self._stop.wait(self.interval_s):
                 return
+
+    def _publish_rids(self) -> None:
+        """Replace this worker's published rids in one transaction, so that a reaper never
+        sees the set half written."""
+        rids = get_context(self.app).live_rids.snapshot()
+        key = worker_rids(self.worker)
+        pipe = self.client.pipeline(transaction=True)
+        pipe.delete(key)
+        if rids:
+            pipe.sadd(key, *rids)
+            pipe.expire(key, max(1, int(2 * self.dead_after_s)))
+        pipe.execute()
 
     def _maybe_sweep(self) -> None:
         """Every few minutes, one worker re-enqueues prompts Redis lost (see common.audit)."""

@@ -60,6 +60,8 @@ def run_sample(ctx: WorkerContext, dataset: str, sample_id: str) -> Outcome:
     if prompt.state != "queued":
         return _settle_finished(ctx, dataset, prompt)
     rid = new_rid(dataset)
+    # Claimed before ADMIT, so the reaper never frees a reservation this process holds.
+    ctx.live_rids.add(rid)
     try:
         return _generate(ctx, prompt, rid)
     except BaseException:
@@ -67,6 +69,8 @@ def run_sample(ctx: WorkerContext, dataset: str, sample_id: str) -> Outcome:
         # free the reservation, or the dataset's admission would count it for good.
         _release_quietly(ctx, dataset, rid)
         raise
+    finally:
+        ctx.live_rids.discard(rid)
 
 
 def _generate(ctx: WorkerContext, prompt: PromptRow, rid: str) -> Outcome:

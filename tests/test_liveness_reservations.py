@@ -1,0 +1,55 @@
+"""The reaper frees reservations that no live worker claims, and only those."""
+
+from __future__ import annotations
+
+import time
+
+import redis
+
+from common.budget import Budget
+from common.keys import WORKERS, worker_rids
+from common.ledger import Admission, Ledger
+from workers.liveness import release_orphaned_reservations
+
+GRACE_S = 5.0
+
+
+def admitted(ledger: Ledger, name: str, rid: str) -> None:
+    assert ledger.admit(name, rid, 1000, 500) is Admission.ADMITTED
+
+
+def test_an_unclaimed_reservation_is_freed_after_the_grace_and_a_claimed_one_never(
+    redis_client: redis.Redis,
+) -> None:
+    ledger = Ledger(redis_client)
+    ledger.configure("orph", Budget(100_000))
+    admitted(ledger, "orph", "dead-rid")
+    admitted(ledger, "orph", "live-rid")
+    redis_client.zadd(WORKERS, {"alive@host": time.time()})
+    redis_client.sadd(worker_rids("alive@host"), "live-rid")
+    suspects: dict[tuple[str, str], float] = {}
+
+    assert release_orphaned_reservations(redis_client, suspects, 100.0, GRACE_S) == 0
+    assert release_orphaned_reservations(redis_client, suspects, 104.0, GRACE_S) == 0
+    assert sorted(ledger.inflight_rids("orph")) == ["dead-rid", "live-rid"]
+    assert release_orphaned_reservations(redis_client, suspects, 105.0, GRACE_S) == 1
+    assert ledger.inflight_rids("orph") == ["live-rid"]
+    assert ledger.state("orph").reserved_tokens == 500
+    assert release_orphaned_reservations(redis_client, suspects, 500.0, GRACE_S) == 0
+    assert suspects == {}
+
+
+def test_a_reservation_claimed_before_the_grace_ends_is_kept(
+    redis_client: redis.Redis,
+) -> None:
+    """A rid admitted just after its worker's beat is unclaimed until the next beat."""
+    ledger = Ledger(redis_client)
+    ledger.configure("late", Budget(100_000))
+    admitted(ledger, "late", "new-rid")
+    suspects: dict[tuple[str, str], float] = {}
+    assert release_orphaned_reservations(redis_client, suspects, 10.0, GRACE_S) == 0
+    redis_client.zadd(WORKERS, {"w@host": time.time()})
+    redis_client.sadd(worker_rids("w@host"), "new-rid")  # the next beat
+    assert release_orphaned_reservations(redis_client, suspects, 20.0, GRACE_S) == 0
+    assert ledger.inflight_rids("late") == ["new-rid"]
+    assert suspects == {}
