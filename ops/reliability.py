@@ -72,6 +72,10 @@ closed by their budget keep their remaining prompts `queued`, by design.
    exits 1 (`test_the_worker_exits_non_zero_when_the_database_does_not_answer`).
 4. Fixed: a bad `budget_tokens`, `policy` or `basis` in a manifest was reported without the
    manifest and dataset it came from (`test_bad_terms_in_a_manifest_name_where_they_are`).
+5. Fixed: a worker SIGKILLed mid-request left its admission reservations in the ledger
+   for good (16 after two kills), which would hold a drain dataset near its budget waiting
+   forever. The reaper now frees reservations no live worker claims
+   (`test_worker_sigkills_lose_nothing_and_leave_no_reservation`).
 """
 
 
