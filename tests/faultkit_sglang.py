@@ -33,6 +33,8 @@ BASE_DECODE = 250.0
 CLEAR = {"error_rate": 0.0, "error_status": 500, "fail_next": 0, "disconnect_rate": 0.0,
          "disconnect_next": 0, "latency_s": 0.0, "abort_next": 0, "decode_tok_per_s": BASE_DECODE}
 OUTAGES = ("down_for_s", "process_restart")
+# How close to the client's read timeout a server-side finish counts as raced by it.
+TIMEOUT_SLACK_S = 0.1
 ALL_PHASES = ("http_500", "queue_full_503", "disconnects", "aborts", "slow", "timeouts",
               "down_for_s", "process_restart")
 
@@ -100,12 +102,18 @@ def attempt_accounting(stack: Stack, names: list[str]) -> dict[str, Any]:
     q = sa.select(prompts.c.dataset, prompts.c.sample_id, prompts.c.state, prompts.c.attempts,
                   prompts.c.error).where(prompts.c.dataset.in_(names))
     mismatched, errors_missing, gaps = [], 0, []
+    timeout_s = stack.settings.request_timeout_s
     with stack.store.engine.connect() as conn:
         rows = conn.execute(q).all()
     for ds, sid, state, attempts, error in rows:
         seen = sorted(per_sample.get((ds, sid), []), key=lambda e: e["arrived_ts"])
         failed = sum(1 for e in seen if not (e["status"] == 200
                                              and e["finish_type"] in COMPLETED))
+        # A request the server finished just as the client's read timeout fired is a
+        # success in the server's log and a timeout for the worker, which retried it.
+        failed += sum(1 for e in seen[:-1] if e["status"] == 200
+                      and e["finish_type"] in COMPLETED
+                      and e["finished_ts"] - e["arrived_ts"] >= timeout_s - TIMEOUT_SLACK_S)
         if failed != attempts:
             mismatched.append(f"{ds}/{sid}: {attempts} attempts counted, {failed} failed requests")
         if state == "failed" and not error:
