@@ -121,9 +121,10 @@ class SGLangClient:
         self._local = threading.local()
         self._headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self._models: dict[str, str] = {}
-        self._proxies = requests.utils.get_environ_proxies(urls[0]) if urls else {}
         # Proxy settings are read from the environment once, here, never per request.
-        self._routes = {u: route(u, requests.utils.get_environ_proxies(u)) for u in urls}
+        proxies = {u: requests.utils.get_environ_proxies(u) for u in urls}
+        self._proxies = proxies[urls[0]] if urls else {}
+        self._routes = {u: route(u, p) for u, p in proxies.items()}
         self._post_headers = {
             u: {"Content-Type": "application/json", **self._headers, **dict(r.proxy_headers)}
             for u, r in self._routes.items()

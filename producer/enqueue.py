@@ -89,8 +89,9 @@ class Enqueuer:
         self.publisher = Publisher(app)
         self.limits = limits
         self.progress = progress or (lambda n: None)
-        self._tokenizing = ThreadPoolExecutor(max_workers=1)
-        self._writing = ThreadPoolExecutor(max_workers=1)
+        # Made by each run, which shuts them down when it ends.
+        self._tokenizing: ThreadPoolExecutor
+        self._writing: ThreadPoolExecutor
         self._written: deque[Future[_Written]] = deque()
         self._failed = False
 
