@@ -19,7 +19,7 @@ import redis
 import sqlalchemy as sa
 from sqlalchemy.engine import Engine
 
-from ops.bench.harness import POSTGRES_URL, REDIS_URL
+from ops.bench.harness import POSTGRES_SA_URL, REDIS_URL
 
 
 class RedisMonitor:
@@ -93,7 +93,7 @@ PG_FIELDS = ("xact_commit", "xact_rollback", "tup_returned", "tup_fetched", "tup
 
 def pg_stats() -> dict[str, int]:
     """The bench database's counters (flushed by PostgreSQL about once a second)."""
-    engine = sa.create_engine(POSTGRES_URL.replace("postgresql://", "postgresql+psycopg://"))
+    engine = sa.create_engine(POSTGRES_SA_URL)
     try:
         with engine.connect() as conn:
             conn.execute(sa.text("SELECT pg_stat_force_next_flush()"))
@@ -106,7 +106,7 @@ def pg_stats() -> dict[str, int]:
 
 
 def pg_connections() -> int:
-    engine = sa.create_engine(POSTGRES_URL.replace("postgresql://", "postgresql+psycopg://"))
+    engine = sa.create_engine(POSTGRES_SA_URL)
     try:
         with engine.connect() as conn:
             return int(conn.scalar(sa.text(

@@ -32,6 +32,8 @@ REDIS_URL = os.environ.get("DATAGEN_BENCH_REDIS_URL", "redis://127.0.0.1:6379/11
 POSTGRES_URL = os.environ.get(
     "DATAGEN_BENCH_POSTGRES_URL", "postgresql://postgres@127.0.0.1:5432/bench"
 )
+# The same database as SQLAlchemy names it with the driver the project installs.
+POSTGRES_SA_URL = POSTGRES_URL.replace("postgresql://", "postgresql+psycopg://", 1)
 WORKDIR = Path(os.environ.get("DATAGEN_BENCH_DIR", "/tmp/datagen-bench"))
 ROOT = Path(__file__).resolve().parent.parent.parent
 CLK_TCK = os.sysconf("SC_CLK_TCK")
@@ -204,11 +206,26 @@ def fresh_db(kind: str, tag: str = "bench") -> str:
             Path(f"{path}{suffix}").unlink(missing_ok=True)
         return f"sqlite:///{path}"
     if kind == "postgresql":
-        engine = sa.create_engine(POSTGRES_URL.replace("postgresql://", "postgresql+psycopg://"))
+        url = sa.make_url(POSTGRES_SA_URL)
+        _create_database(url)
+        engine = sa.create_engine(url)
         metadata.drop_all(engine)
         engine.dispose()
         return POSTGRES_URL
     raise ValueError(f"unknown database kind {kind!r}")
+
+
+def _create_database(url: sa.URL) -> None:
+    """Create the benchmarks' PostgreSQL database on a server that lacks it (a new machine)."""
+    admin = sa.create_engine(url.set(database="postgres"), isolation_level="AUTOCOMMIT")
+    try:
+        with admin.connect() as conn:
+            exists = conn.scalar(sa.text("SELECT 1 FROM pg_database WHERE datname = :name"),
+                                 {"name": url.database})
+            if not exists:
+                conn.execute(sa.text(f'CREATE DATABASE "{url.database}"'))
+    finally:
+        admin.dispose()
 
 
 def publisher(app: Any) -> Any:
