@@ -200,6 +200,10 @@ class Store:
     def __init__(self, url: str) -> None:
         self.url = url
         self.engine = make_engine(url)
+        # A single SELECT needs no transaction: on PostgreSQL, autocommit saves the BEGIN
+        # before it and the ROLLBACK when the pool takes the connection back.
+        self._reads = (self.engine.execution_options(isolation_level="AUTOCOMMIT")
+                       if self.engine.dialect.name == "postgresql" else self.engine)
 
     # -- datasets -------------------------------------------------------------------------
 
@@ -324,7 +328,7 @@ class Store:
             return list(conn.scalars(q))
 
     def prompt(self, dataset: str, sample_id: str) -> PromptRow | None:
-        with self.engine.connect() as conn:
+        with self._reads.connect() as conn:
             key = {"p_dataset": dataset, "p_sample_id": sample_id}
             r = conn.execute(_PROMPT_BY_KEY, key).first()
         if r is None:

@@ -70,7 +70,10 @@ def test_three_sigkills_across_two_workers_lose_nothing(
     requests.post(f"{paced_sim}/sim/reset", timeout=5).raise_for_status()
     settings = make_settings(sqlite_url, paced_sim, heartbeat_s=1.0, dead_after_s=5.0)
     names = ["k1", "k2"]
-    enqueue_paths(settings, [str(write_dataset(tmp_path, n, 60)) for n in names])
+    # Enough work that the third victim, started after two kills, still finds messages to
+    # hold when the workers run fast (16 in flight at about a second each).
+    per_dataset = 240
+    enqueue_paths(settings, [str(write_dataset(tmp_path, n, per_dataset)) for n in names])
     log = tmp_path / "workers.log"
     procs = {"a": start_worker(settings, "a0", log), "b": start_worker(settings, "b0", log)}
     recoveries = []
@@ -92,4 +95,4 @@ def test_three_sigkills_across_two_workers_lose_nothing(
     assert len(recoveries) == 3 and max(recoveries) < RECOVERY_LIMIT_S, recoveries
     assert_invariants(store, Ledger(redis_client), names)
     for n in names:
-        assert store.prompt_counts(n) == {"done": 60}
+        assert store.prompt_counts(n) == {"done": per_dataset}

@@ -3,7 +3,9 @@
 An instant simulator (``--decode-tok-per-s 0 --mean-output-tokens 16``) makes the worker
 the bottleneck. Legs alternate in one run: full pipeline on SQLite, on PostgreSQL, then
 the bare task (same options, same messages, same HTTP call). Targets: pipeline / bare
-≥ 0.8 and ≥ 400 completions/s. ``--profile`` adds a leg under py-spy (first database of ``--dbs``).
+≥ 0.8 and ≥ 400 completions/s. ``--profile`` adds a leg under py-spy (first database of
+``--dbs``), and one of the bare task with the same client when ``--bare-sglang`` is given,
+so their per-task CPU can be compared step by step.
 ``--baseline DIR`` adds, in each round, a leg per database whose worker runs the code of
 another checkout (e.g. ``git archive HEAD | tar -x -C DIR``): old and new side by side.
 
@@ -41,7 +43,7 @@ from ops.bench.synth import enqueue, prompt_files
 
 TARGET_RATIO, TARGET_RATE = 0.8, 400.0
 PROFILE_DELAY_S = 2.0
-PROFILE_SAMPLES = 3000
+PROFILE_SAMPLES = 6000
 
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
@@ -74,11 +76,12 @@ def one_leg(procs: Processes, sim: tuple[str, int], args: argparse.Namespace, ki
     settings = bench_settings(fresh_db(db, tag=db), sim[0], args.concurrency)
     enqueue(settings, prompt_files(n), max_new_tokens=1024)
     if kind == "bare":
-        return bare_celery_leg(procs, "bare celery task", settings, sim, n)
+        return bare_celery_leg(procs, "bare celery task", settings, sim, n, on_start=on_start)
     if kind == BARE_SGLANG:
         os.environ["DATAGEN_BENCH_BARE_CLIENT"] = "sglang"  # read by the worker it starts
         try:
-            return bare_celery_leg(procs, "bare celery task, SGLangClient", settings, sim, n)
+            return bare_celery_leg(procs, "bare celery task, SGLangClient", settings, sim, n,
+                                   on_start=on_start)
         finally:
             del os.environ["DATAGEN_BENCH_BARE_CLIENT"]
     if kind.endswith(BASELINE_SUFFIX):
@@ -107,19 +110,18 @@ def workers_from(tree: Path) -> Iterator[None]:
         bench_runs.start_worker = default
 
 
-def profile_leg(procs: Processes, sim: tuple[str, int],
-                args: argparse.Namespace) -> dict[str, Any]:
+def profile_leg(procs: Processes, sim: tuple[str, int], args: argparse.Namespace,
+                kind: str) -> dict[str, Any]:
     recorders = []
 
     def attach(workers: list[Any]) -> None:
         time.sleep(PROFILE_DELAY_S)
         for gil in (True, False):
-            out = WORKDIR / "tmp" / f"overhead-worker{'-gil' if gil else ''}.raw"
+            out = WORKDIR / "tmp" / f"overhead-{kind}{'-gil' if gil else ''}.raw"
             recorders.append((gil, out, profiling.record(procs, workers[0].pid, out, gil=gil)))
 
     try:
-        db = args.dbs.split(",")[0] or "sqlite"
-        leg = one_leg(procs, sim, args, db, n=max(args.samples, PROFILE_SAMPLES),
+        leg = one_leg(procs, sim, args, kind, n=max(args.samples, PROFILE_SAMPLES),
                       on_start=attach)
     finally:
         for _, _, rec in recorders:
@@ -159,20 +161,29 @@ FALLBACK: tuple[tuple[str, str], ...] = tuple(
     (f"{name} (other)", "(" + needle.lstrip("/")) for name, needle in profiling.CATEGORIES)
 
 
-def show_profile(prof: dict[str, Any]) -> dict[str, Any]:
-    out: dict[str, Any] = {"rate_under_profiler": prof["leg"].rate}
+def show_profile(prof: dict[str, Any], label: str) -> dict[str, Any]:
+    leg: Leg = prof["leg"]
+    # The GIL holder's samples are the process's CPU time: a step's share of them times
+    # the CPU per task is what that step costs a task, comparable between legs.
+    cpu_ms = leg.cpu_ms_per_task("workers")
+    out: dict[str, Any] = {"rate_under_profiler": leg.rate, "cpu_ms_per_task": cpu_ms}
     for mode in ("gil", "all"):
         p = prof.get(mode)
         if p is None:
             continue
         steps, detail = p.attribute(WORKER_STEPS), p.attribute(WORKER_DETAIL, FALLBACK)
         what = "GIL holder" if mode == "gil" else "all active threads"
-        table(f"worker profile ({what}, {p.samples} samples): share per pipeline step",
-              ["step", "% samples"], [(k, f"{v:.1f}") for k, v in steps])
-        table(f"worker profile ({what}): share per activity", ["activity", "% samples"],
+        if mode == "gil":
+            table(f"{label} profile ({what}, {p.samples} samples, {cpu_ms:.2f} ms CPU per "
+                  "task under the profiler): share per step", ["step", "% samples", "ms/task"],
+                  [(k, f"{v:.1f}", f"{v * cpu_ms / 100:.3f}") for k, v in steps])
+        else:
+            table(f"{label} profile ({what}, {p.samples} samples): share per step",
+                  ["step", "% samples"], [(k, f"{v:.1f}") for k, v in steps])
+        table(f"{label} profile ({what}): share per activity", ["activity", "% samples"],
               [(k, f"{v:.1f}") for k, v in detail[:16]])
         if mode == "gil":
-            table(f"worker profile ({what}): top functions by self share", ["function", "%"],
+            table(f"{label} profile ({what}): top functions by self share", ["function", "%"],
                   [(k, f"{v:.1f}") for k, v in p.top("self", 12)])
         out[mode] = {"samples": p.samples, "steps": steps, "activities": detail,
                      "libraries": p.category_shares(), "self": p.top("self", 15)}
@@ -194,7 +205,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             for kind in kinds:
                 legs[kind].append(one_leg(procs, sim, args, kind))
         if args.profile:
-            prof = profile_leg(procs, sim, args)
+            prof = {"profile": profile_leg(procs, sim, args, dbs[0] if dbs else "sqlite")}
+            if args.bare_sglang:
+                prof["profile_bare_sglang"] = profile_leg(procs, sim, args, BARE_SGLANG)
     return report(args, legs, prof)
 
 
@@ -224,8 +237,9 @@ def report(args: argparse.Namespace, legs: dict[str, list[Leg]],
               for k in legs if not k.startswith("bare")]
     table("targets: ratio >= 0.8 and >= 400 completions/s", ["leg", "rate", "ratio"],
           [(k, verdict(r, TARGET_RATE), verdict(q, TARGET_RATIO)) for k, r, q in checks])
-    if prof:
-        figures["profile"] = show_profile(prof)
+    for key, p in (prof or {}).items():
+        figures[key] = show_profile(p, "pipeline worker" if key == "profile" else
+                                    "bare task (same client) worker")
     return figures
 
 

@@ -137,7 +137,9 @@ def dump_payloads(settings: Settings, out: Path) -> list[str]:
 
 
 def bare_celery_leg(procs: Processes, label: str, settings: Settings, sim: tuple[str, int],
-                    expected: int, timeout_s: float = 600) -> Leg:
+                    expected: int, timeout_s: float = 600,
+                    on_start: Callable[[list[subprocess.Popen[bytes]]], None] | None = None
+                    ) -> Leg:
     """The baseline: a bare Celery task making the same HTTP call, same worker options."""
     sim_url, sim_pid = sim
     payload_file = WORKDIR / "tmp" / "payloads.json"
@@ -150,6 +152,8 @@ def bare_celery_leg(procs: Processes, label: str, settings: Settings, sim: tuple
     env = {**settings.to_env(), "DATAGEN_BENCH_PAYLOADS": str(payload_file)}
     proc = procs.start(argv, env=env, log=WORKDIR / "bare-worker.log")
     try:
+        if on_start:
+            on_start([proc])
         cpu = watch(sim_url, expected, {"sim": sim_pid, "worker0": proc.pid}, timeout_s)
     finally:
         procs.stop(proc)
