@@ -1,0 +1,70 @@
+"""`make bench`'s plan, its summary of figures against targets, and its database set-up
+(no benchmark is run)."""
+
+from __future__ import annotations
+
+import uuid
+
+import sqlalchemy as sa
+
+from ops.bench.__main__ import commands, parse
+from ops.bench.harness import _create_database
+from ops.bench.summary import headline
+from tests.conftest import POSTGRES_URL
+
+
+def _flags(argv: list[str]) -> dict[str, list[str]]:
+    return {name: cmd[3:] for name, cmd in commands(parse(argv))}
+
+
+def test_overhead_always_compares_with_the_same_http_client_and_profiles_at_full_scale() -> None:
+    full, quick = _flags([]), _flags(["--quick"])
+    assert full["overhead"] == ["--bare-sglang", "--profile"]
+    assert quick["overhead"] == ["--bare-sglang", "--quick"]
+    assert "--profile" not in _flags(["--no-profile"])["overhead"]
+    assert list(_flags(["--only", "guard,memory"])) == ["memory", "guard"]
+
+
+def _summary(rate: float, low: float, high: float) -> dict[str, float]:
+    return {"median": rate, "min": low, "max": high, "n": 3}
+
+
+def test_overhead_rows_judge_each_ratio_and_rate_against_its_target() -> None:
+    overhead = {
+        "bare": {"rate": _summary(600, 590, 610)},
+        "bare-sglang": {"rate": _summary(1200, 1150, 1250)},
+        "sqlite": {"rate": _summary(540, 500, 600), "ratio_to_bare": _summary(0.9, 0.8, 1),
+                   "ratio_to_bare_sglang_client": _summary(0.45, 0.4, 0.5)},
+        "postgresql": {"rate": _summary(380, 350, 420), "ratio_to_bare": _summary(0.63, 0.6, 0.7),
+                       "ratio_to_bare_sglang_client": _summary(0.32, 0.3, 0.35)},
+    }
+    rows = {figure: (value, verdict) for _, figure, value, _, verdict in
+            headline({"overhead": overhead})}
+    assert rows["pipeline sqlite, completions/s"] == ("540", "met")
+    assert rows["pipeline sqlite / bare (requests)"] == ("0.900", "met")
+    assert rows["pipeline sqlite / bare (same HTTP client)"] == ("0.450", "MISSED")
+    assert rows["pipeline postgresql, completions/s"] == ("380", "MISSED")
+    assert rows["bare Celery task (same HTTP client), completions/s"] == ("1,200", "-")
+
+
+def test_a_benchmark_that_failed_or_did_not_run_says_so() -> None:
+    rows = headline({"producer": None, "saturation": {"ratio": _summary(0.99, 0.98, 1.0)}})
+    assert rows[0] == ("producer", "-", "-", "-", "failed")
+    assert rows[1][2:] == ("0.990", ">= 0.97", "met")
+    missing = headline({"overhead": {"bare": {}}})
+    assert all(verdict == "not run" for *_, verdict in missing[1:])
+
+
+def test_the_bench_database_is_created_on_a_server_that_lacks_it() -> None:
+    url = sa.make_url(POSTGRES_URL).set(database=f"bench_{uuid.uuid4().hex[:12]}")
+    admin = sa.create_engine(url.set(database="postgres"), isolation_level="AUTOCOMMIT")
+    try:
+        _create_database(url)
+        _create_database(url)  # a second time finds it there
+        with admin.connect() as conn:
+            names = conn.scalars(sa.text("SELECT datname FROM pg_database")).all()
+        assert url.database in names
+    finally:
+        with admin.connect() as conn:
+            conn.execute(sa.text(f'DROP DATABASE IF EXISTS "{url.database}"'))
+        admin.dispose()
