@@ -3,14 +3,20 @@
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
 import uuid
+from pathlib import Path
 
+import redis
 import sqlalchemy as sa
 
 from ops.bench.__main__ import commands, parse
 from ops.bench.harness import _create_database
 from ops.bench.summary import headline
-from tests.conftest import POSTGRES_URL
+from tests.conftest import POSTGRES_URL, REDIS_URL, ROOT
 
 
 def _flags(argv: list[str]) -> dict[str, list[str]]:
@@ -68,3 +74,23 @@ def test_the_bench_database_is_created_on_a_server_that_lacks_it() -> None:
         with admin.connect() as conn:
             conn.execute(sa.text(f'DROP DATABASE IF EXISTS "{url.database}"'))
         admin.dispose()
+
+
+def test_make_bench_runs_end_to_end_at_quick_scale(tmp_path: Path,
+                                                   redis_client: redis.Redis) -> None:
+    """The guard and overhead benchmarks, quick, on the test services: the harness starts the
+    simulator, pipeline workers on both databases and the bare tasks, and the summary
+    judges what they measured. Their figures are not asserted (this machine is shared)."""
+    out = tmp_path / "results.json"
+    env = {**os.environ, "DATAGEN_BENCH_REDIS_URL": REDIS_URL,
+           "DATAGEN_BENCH_POSTGRES_URL": POSTGRES_URL, "DATAGEN_BENCH_DIR": str(tmp_path)}
+    done = subprocess.run(
+        [sys.executable, "-m", "ops.bench", "--quick", "--only", "guard,overhead",
+         "--out", str(out)], env=env, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    results = json.loads(out.read_text())["results"]
+    for kind in ("sqlite", "postgresql", "bare", "bare-sglang"):
+        assert results["overhead"][kind]["rate"]["median"] > 0, kind
+    assert results["overhead"]["sqlite"]["ratio_to_bare_sglang_client"]["n"] == 2
+    assert any("crossing" in case for case in results["guard"]["cases"])
+    assert "not run" not in done.stdout and "failed" not in done.stdout
