@@ -29,7 +29,6 @@ from ops.bench.harness import (
     bench_settings,
     fresh_db,
     fresh_redis,
-    machine,
     publisher,
     start_sim,
 )
@@ -153,7 +152,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> int:
     args = parse(argv)
     figures = run(args)
-    emit("guard", args, {"machine": machine(), "crossings": args.crossings, "cases": figures})
+    emit("guard", args, {"crossings": args.crossings, "cases": figures})
     return 0
 
 

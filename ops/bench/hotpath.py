@@ -31,7 +31,7 @@ from common.ledger import Ledger
 from common.schema import prompts, results, utcnow
 from common.sglang_client import SGLangClient
 from common.store import Store
-from ops.bench.harness import Processes, bench_settings, fresh_db, fresh_redis, machine, start_sim
+from ops.bench.harness import Processes, bench_settings, fresh_db, fresh_redis, start_sim
 from ops.bench.report import Summary, emit, table
 from ops.bench.synth import enqueue, prompt_files
 
@@ -213,7 +213,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse(argv)
-    emit("hotpath", args, {"machine": machine(), **run(args)})
+    emit("hotpath", args, {**run(args)})
     return 0
 
 

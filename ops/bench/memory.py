@@ -23,7 +23,6 @@ from ops.bench.harness import (
     clean_workdir,
     fresh_db,
     fresh_redis,
-    machine,
     rss_mb,
     start_sim,
     start_worker,
@@ -147,7 +146,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> int:
     args = parse(argv)
     figures = run(args)
-    emit("memory", args, {"machine": machine(), "samples": args.samples, **figures})
+    emit("memory", args, {"samples": args.samples, **figures})
     return 0
 
 

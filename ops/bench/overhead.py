@@ -34,7 +34,6 @@ from ops.bench.harness import (
     clean_workdir,
     fresh_db,
     fresh_redis,
-    machine,
     start_sim,
 )
 from ops.bench.report import Summary, emit, table, verdict
@@ -251,7 +250,7 @@ def _ratios(runs: list[Leg], base: list[Leg]) -> Summary:
 def main(argv: list[str] | None = None) -> int:
     args = parse(argv)
     figures = run(args)
-    emit("overhead", args, {"machine": machine(), "samples": args.samples,
+    emit("overhead", args, {"samples": args.samples,
                             "rounds": args.rounds, **figures})
     return 0
 

@@ -31,7 +31,6 @@ from ops.bench.harness import (
     clean_workdir,
     fresh_db,
     fresh_redis,
-    machine,
     sim_reset,
     start_sim,
     start_worker,
@@ -170,7 +169,7 @@ def main(argv: list[str] | None = None) -> int:
                                mean_output=args.mean_output)
         runs = [one_run(procs, args, sim_url, i) for i in range(args.runs)]
     figures = report(args, runs)
-    emit("overshoot", args, {"machine": machine(), "budget": args.budget, "runs": args.runs,
+    emit("overshoot", args, {"budget": args.budget, "runs": args.runs,
                              **figures})
     return 0
 

@@ -25,7 +25,6 @@ from ops.bench.harness import (
     clean_workdir,
     fresh_db,
     fresh_redis,
-    machine,
 )
 from ops.bench.report import Summary, emit, table, verdict
 from ops.bench.synth import enqueue, prompt_files, templater
@@ -124,7 +123,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse(argv)
     figures = run(args)
     fresh_redis()
-    emit("producer", args, {"machine": machine(), "prompts": args.prompts, **figures})
+    emit("producer", args, {"prompts": args.prompts, **figures})
     return 0
 
 

@@ -14,6 +14,8 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
+from ops.bench.harness import machine
+
 RESULT_PREFIX = "bench-result "
 
 
@@ -62,9 +64,11 @@ def table(title: str, header: Sequence[str], rows: Sequence[Sequence[Any]]) -> N
 
 
 def emit(bench: str, args: argparse.Namespace, figures: dict[str, Any]) -> None:
-    """The one line tests and ``python -m ops.bench`` read: ``bench-result {json}``."""
+    """The one line tests and ``python -m ops.bench`` read: ``bench-result {json}``, with
+    the date and the machine it ran on."""
     payload = {"bench": bench, "quick": bool(getattr(args, "quick", False)),
-               "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), **figures}
+               "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+               "machine": machine(), **figures}
     print(RESULT_PREFIX + json.dumps(payload, default=_plain), flush=True)
 
 

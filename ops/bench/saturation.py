@@ -28,7 +28,6 @@ from ops.bench.harness import (
     clean_workdir,
     fresh_db,
     fresh_redis,
-    machine,
     sim_requests,
     sim_reset,
     start_sim,
@@ -144,7 +143,7 @@ def report(args: argparse.Namespace, legs: dict[str, list[Leg]]) -> dict[str, An
 def main(argv: list[str] | None = None) -> int:
     args = parse(argv)
     figures = run(args)
-    emit("saturation", args, {"machine": machine(), "samples": args.samples,
+    emit("saturation", args, {"samples": args.samples,
                               "pairs": args.pairs, **figures})
     return 0
 

@@ -19,7 +19,6 @@ from ops.bench.harness import (
     clean_workdir,
     fresh_db,
     fresh_redis,
-    machine,
     sim_reset,
     start_sim,
     wait_until,
@@ -179,7 +178,7 @@ def report(args: argparse.Namespace, legs: dict[tuple[str, int], list[Leg]],
 def main(argv: list[str] | None = None) -> int:
     args = parse(argv)
     figures = run(args)
-    emit("scaling", args, {"machine": machine(), "samples": args.samples, **figures})
+    emit("scaling", args, {"samples": args.samples, **figures})
     return 0
 
 
