@@ -34,6 +34,7 @@ from ops.bench.harness import (
     clean_workdir,
     fresh_db,
     fresh_redis,
+    sim_requests,
     start_sim,
 )
 from ops.bench.report import Summary, emit, table, verdict
@@ -43,6 +44,7 @@ from ops.bench.synth import enqueue, prompt_files
 TARGET_RATIO, TARGET_RATE = 0.8, 400.0
 PROFILE_DELAY_S = 2.0
 PROFILE_SAMPLES = 6000
+PROFILE_RATE_HZ = 100
 
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
@@ -112,12 +114,15 @@ def workers_from(tree: Path) -> Iterator[None]:
 def profile_leg(procs: Processes, sim: tuple[str, int], args: argparse.Namespace,
                 kind: str) -> dict[str, Any]:
     recorders = []
+    attached_at: list[float] = []
 
     def attach(workers: list[Any]) -> None:
         time.sleep(PROFILE_DELAY_S)
+        attached_at.append(time.time())
         for gil in (True, False):
             out = WORKDIR / "tmp" / f"overhead-{kind}{'-gil' if gil else ''}.raw"
-            recorders.append((gil, out, profiling.record(procs, workers[0].pid, out, gil=gil)))
+            recorders.append((gil, out, profiling.record(procs, workers[0].pid, out, gil=gil,
+                                                         rate=PROFILE_RATE_HZ)))
 
     try:
         leg = one_leg(procs, sim, args, kind, n=max(args.samples, PROFILE_SAMPLES),
@@ -125,8 +130,11 @@ def profile_leg(procs: Processes, sim: tuple[str, int], args: argparse.Namespace
     finally:
         for _, _, rec in recorders:
             profiling.stop(procs, rec)
-    return {"leg": leg, **{("gil" if g else "all"): profiling.summarize(o)
-                           for g, o, _ in recorders}}
+    # Tasks finished while the profilers ran (the simulator's clock is this machine's).
+    profiled = sum(1 for e in sim_requests(sim[0])
+                   if e.get("status") == 200 and e.get("finished_ts", 0) >= attached_at[0])
+    return {"leg": leg, "tasks_profiled": profiled,
+            **{("gil" if g else "all"): profiling.summarize(o) for g, o, _ in recorders}}
 
 
 WORKER_STEPS: tuple[tuple[str, str], ...] = (
@@ -162,10 +170,17 @@ FALLBACK: tuple[tuple[str, str], ...] = tuple(
 
 def show_profile(prof: dict[str, Any], label: str) -> dict[str, Any]:
     leg: Leg = prof["leg"]
-    # The GIL holder's samples are the process's CPU time: a step's share of them times
-    # the CPU per task is what that step costs a task, comparable between legs.
     cpu_ms = leg.cpu_ms_per_task("workers")
-    out: dict[str, Any] = {"rate_under_profiler": leg.rate, "cpu_ms_per_task": cpu_ms}
+    # Each GIL sample stands for one sampling interval with some thread holding the GIL,
+    # so samples over tasks give the GIL-held time per task, and a step's share of it is
+    # what the step's Python costs a task. The process's CPU per task is more: system
+    # calls, waiting for the GIL and C code that runs without it are not GIL-held.
+    gil = prof.get("gil")
+    gil_ms = (1000.0 * gil.samples / PROFILE_RATE_HZ / prof["tasks_profiled"]
+              if gil is not None and prof.get("tasks_profiled") else 0.0)
+    out: dict[str, Any] = {"rate_under_profiler": leg.rate, "cpu_ms_per_task": cpu_ms,
+                           "gil_held_ms_per_task": gil_ms,
+                           "tasks_profiled": prof.get("tasks_profiled", 0)}
     for mode in ("gil", "all"):
         p = prof.get(mode)
         if p is None:
@@ -173,9 +188,10 @@ def show_profile(prof: dict[str, Any], label: str) -> dict[str, Any]:
         steps, detail = p.attribute(WORKER_STEPS), p.attribute(WORKER_DETAIL, FALLBACK)
         what = "GIL holder" if mode == "gil" else "all active threads"
         if mode == "gil":
-            table(f"{label} profile ({what}, {p.samples} samples, {cpu_ms:.2f} ms CPU per "
-                  "task under the profiler): share per step", ["step", "% samples", "ms/task"],
-                  [(k, f"{v:.1f}", f"{v * cpu_ms / 100:.3f}") for k, v in steps])
+            table(f"{label} profile ({what}, {p.samples} samples; under the profiler "
+                  f"{gil_ms:.2f} ms GIL-held and {cpu_ms:.2f} ms CPU per task): share per "
+                  "step", ["step", "% samples", "GIL-held ms/task"],
+                  [(k, f"{v:.1f}", f"{v * gil_ms / 100:.3f}") for k, v in steps])
         else:
             table(f"{label} profile ({what}, {p.samples} samples): share per step",
                   ["step", "% samples"], [(k, f"{v:.1f}") for k, v in steps])
