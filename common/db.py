@@ -24,12 +24,18 @@ def _sqlite_pragmas(dbapi_conn: Any, _record: Any) -> None:
     cur.close()
 
 
-def make_engine(url: str) -> Engine:
-    """An engine whose schema exists; ServiceUnavailable if the database does not answer."""
+def sqlalchemy_url(url: str) -> str:
+    """The SQLAlchemy URL for a configured database URL (``postgresql://`` means psycopg 3)."""
     if url.startswith("postgres://"):
         url = "postgresql://" + url[len("postgres://") :]
     if url.startswith("postgresql://"):
         url = "postgresql+psycopg://" + url[len("postgresql://") :]
+    return url
+
+
+def make_engine(url: str) -> Engine:
+    """An engine whose schema exists; ServiceUnavailable if the database does not answer."""
+    url = sqlalchemy_url(url)
     if url.startswith("sqlite"):
         # Every worker thread may hold a connection at once; SQLite serializes the writes.
         engine = sa.create_engine(

@@ -102,6 +102,15 @@ def parse_completion(body: Any, rid: str, server: str) -> Completion:
     )
 
 
+@dataclass(frozen=True)
+class _Endpoint:
+    """How /generate reaches one server, worked out once."""
+
+    route: Route
+    head: bytes  # the header block FastConnection sends
+    headers: dict[str, str]  # the headers http.client sends (TLS or a proxy in between)
+
+
 class SGLangClient:
     """Spreads requests over one or more servers, one kept-alive connection per thread
     and server."""
@@ -124,12 +133,13 @@ class SGLangClient:
         # Proxy settings are read from the environment once, here, never per request.
         proxies = {u: requests.utils.get_environ_proxies(u) for u in urls}
         self._proxies = proxies[urls[0]] if urls else {}
-        self._routes = {u: route(u, p) for u, p in proxies.items()}
-        self._post_headers = {
-            u: {"Content-Type": "application/json", **self._headers, **dict(r.proxy_headers)}
-            for u, r in self._routes.items()
-        }
-        self._heads = {u: request_head(r, self._headers) for u, r in self._routes.items()}
+        self._endpoints = {u: self._endpoint(u, p) for u, p in proxies.items()}
+
+    def _endpoint(self, server: str, proxies: dict[str, str]) -> _Endpoint:
+        target = route(server, proxies)
+        headers = {"Content-Type": "application/json", **self._headers,
+                   **dict(target.proxy_headers)}
+        return _Endpoint(target, request_head(target, self._headers), headers)
 
     def _session(self) -> requests.Session:
         session = getattr(self._local, "session", None)
@@ -175,14 +185,12 @@ class SGLangClient:
 
     def _post_generate(self, server: str, body: bytes) -> Answer:
         """One POST on this thread's connection to ``server``; a broken one is dropped."""
-        target = self._routes.get(server) or route(server, {})
-        headers = self._post_headers.get(server) or {"Content-Type": "application/json"}
-        conn = self._connection(server, target)
+        ep = self._endpoints.get(server) or self._endpoint(server, {})
+        conn = self._connection(server, ep.route)
         try:
             if isinstance(conn, FastConnection):
-                head = self._heads.get(server) or request_head(target, self._headers)
-                return conn.exchange(target.generate_path, head, body)
-            conn.request("POST", target.generate_path, body, headers)
+                return conn.exchange(ep.route.generate_path, ep.head, body)
+            conn.request("POST", ep.route.generate_path, body, ep.headers)
             resp = conn.getresponse()
             return Answer(resp.status, resp.reason, resp.read())
         except TimeoutError as exc:

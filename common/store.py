@@ -184,8 +184,8 @@ def _prompt_insert(
     )
     if list(compiled.positiontup or []) != [*keys, *stamps]:
         return None
-    encoders = [prompts.c[k].type.dialect_impl(dialect).bind_processor(dialect) for k in keys]
-    stamp = prompts.c.created_at.type.dialect_impl(dialect).bind_processor(dialect)
+    encoders = _encoders(dialect, "prompts", keys)
+    (stamp,) = _encoders(dialect, "prompts", ("created_at",))
 
     def params(rows: Sequence[dict[str, Any]]) -> list[tuple[Any, ...]]:
         now = utcnow()

@@ -33,15 +33,6 @@ HEALTHY, UNHEALTHY = 0, 1
 CHECK_TIMEOUT_S = 3.0
 
 
-def _sql_url(url: str) -> str:
-    """The SQLAlchemy URL the app would use (``postgresql://`` means psycopg 3)."""
-    if url.startswith("postgres://"):
-        url = "postgresql://" + url[len("postgres://") :]
-    if url.startswith("postgresql://"):
-        url = "postgresql+psycopg://" + url[len("postgresql://") :]
-    return url
-
-
 def check_redis(settings: Settings) -> str | None:
     """None when Redis answers PING, else why not."""
     import redis
@@ -64,7 +55,9 @@ def check_database(settings: Settings) -> str | None:
     """None when the database answers SELECT 1, else why not (no schema is created)."""
     import sqlalchemy as sa
 
-    url = _sql_url(settings.database_url)
+    from common.db import sqlalchemy_url
+
+    url = sqlalchemy_url(settings.database_url)
     connect_args = {"connect_timeout": int(CHECK_TIMEOUT_S)} if "+psycopg" in url else {}
     engine = sa.create_engine(url, connect_args=connect_args, poolclass=sa.pool.NullPool)
     try:

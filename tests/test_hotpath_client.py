@@ -226,7 +226,7 @@ def test_a_broken_answer_is_a_connection_failure(server: tuple[str, Behaviour],
 
 def test_tls_and_proxied_servers_go_through_http_client() -> None:
     client = SGLangClient(("https://gpu:8443", "http://10.0.0.5:30000"))
-    kinds = {u: type(new_connection(r, 1.0)) for u, r in client._routes.items()}
+    kinds = {u: type(new_connection(e.route, 1.0)) for u, e in client._endpoints.items()}
     assert kinds == {"https://gpu:8443": http.client.HTTPSConnection,
                      "http://10.0.0.5:30000": FastConnection}
     proxied = route("http://10.0.0.5:30000", {"http": "http://proxy:3128"})

@@ -41,6 +41,19 @@ def stored(store: Store) -> dict[str, Any]:
     return {"results": n, "states": states}
 
 
+def held_commits(store: Store) -> threading.Event:
+    """Commits of ``store`` wait for the returned event, so rows queue up behind the first."""
+    release = threading.Event()
+    real = store.save_results
+
+    def held(rows: Any) -> Any:
+        release.wait(5)
+        return real(rows)
+
+    store.save_results = held  # type: ignore[method-assign]
+    return release
+
+
 def test_many_threads_commit_in_groups_and_each_sees_its_own_outcome(db_url: str) -> None:
     store = Store(db_url)
     add_prompts(store, 300)
@@ -80,14 +93,7 @@ def test_one_bad_row_fails_only_its_own_task(sqlite_url: str) -> None:
     store = Store(sqlite_url)
     add_prompts(store, 8)
     writer = ResultWriter(store)
-    release = threading.Event()
-    real = store.save_results
-
-    def slow_first(rows: Any) -> Any:
-        release.wait(5)  # let the other threads queue up behind the first commit
-        return real(rows)
-
-    store.save_results = slow_first  # type: ignore[method-assign]
+    release = held_commits(store)
 
     def save(i: int) -> Any:
         try:
@@ -128,14 +134,7 @@ def test_two_deliveries_of_a_sample_in_one_group_store_one_and_say_so(db_url: st
     store = Store(db_url)
     add_prompts(store, 2)
     writer = ResultWriter(store)
-    release = threading.Event()
-    real = store.save_results
-
-    def held(rows: Any) -> Any:
-        release.wait(5)  # the first commit holds; the rest queue into the next group
-        return real(rows)
-
-    store.save_results = held  # type: ignore[method-assign]
+    release = held_commits(store)
     with ThreadPoolExecutor(8) as pool:
         first = pool.submit(writer.save, row(0))
         threading.Event().wait(0.2)

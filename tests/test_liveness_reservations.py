@@ -14,19 +14,26 @@ from workers.liveness import release_orphaned_reservations
 GRACE_S = 5.0
 
 
-def admitted(ledger: Ledger, name: str, rid: str) -> None:
-    assert ledger.admit(name, rid, 1000, 500) is Admission.ADMITTED
+def reserved(client: redis.Redis, name: str, *rids: str) -> Ledger:
+    """A dataset with a reservation of 500 tokens for each of ``rids``."""
+    ledger = Ledger(client)
+    ledger.configure(name, Budget(100_000))
+    for rid in rids:
+        assert ledger.admit(name, rid, 1000, 500) is Admission.ADMITTED
+    return ledger
+
+
+def claimed(client: redis.Redis, worker: str, rid: str) -> None:
+    """A live worker's heartbeat publishing ``rid`` as in flight."""
+    client.zadd(WORKERS, {worker: time.time()})
+    client.sadd(worker_rids(worker), rid)
 
 
 def test_an_unclaimed_reservation_is_freed_after_the_grace_and_a_claimed_one_never(
     redis_client: redis.Redis,
 ) -> None:
-    ledger = Ledger(redis_client)
-    ledger.configure("orph", Budget(100_000))
-    admitted(ledger, "orph", "dead-rid")
-    admitted(ledger, "orph", "live-rid")
-    redis_client.zadd(WORKERS, {"alive@host": time.time()})
-    redis_client.sadd(worker_rids("alive@host"), "live-rid")
+    ledger = reserved(redis_client, "orph", "dead-rid", "live-rid")
+    claimed(redis_client, "alive@host", "live-rid")
     suspects: dict[tuple[str, str], float] = {}
 
     assert release_orphaned_reservations(redis_client, suspects, 100.0, GRACE_S) == 0
@@ -43,13 +50,10 @@ def test_a_reservation_claimed_before_the_grace_ends_is_kept(
     redis_client: redis.Redis,
 ) -> None:
     """A rid admitted just after its worker's beat is unclaimed until the next beat."""
-    ledger = Ledger(redis_client)
-    ledger.configure("late", Budget(100_000))
-    admitted(ledger, "late", "new-rid")
+    ledger = reserved(redis_client, "late", "new-rid")
     suspects: dict[tuple[str, str], float] = {}
     assert release_orphaned_reservations(redis_client, suspects, 10.0, GRACE_S) == 0
-    redis_client.zadd(WORKERS, {"w@host": time.time()})
-    redis_client.sadd(worker_rids("w@host"), "new-rid")  # the next beat
+    claimed(redis_client, "w@host", "new-rid")  # the next beat
     assert release_orphaned_reservations(redis_client, suspects, 20.0, GRACE_S) == 0
     assert ledger.inflight_rids("late") == ["new-rid"]
     assert suspects == {}

@@ -22,6 +22,8 @@ from workers.results import ResultWriter
 log = logging.getLogger(__name__)
 DATASET_CACHE_S = 5.0
 Decoder = Callable[[Sequence[int]], str]
+
+
 @dataclass
 class WorkerContext:
     settings: Settings

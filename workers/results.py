@@ -16,8 +16,7 @@ from sqlalchemy import exc as sa_exc
 
 from common.store import Store
 
-# Most results one commit takes: one transaction per sample costs a worker more CPU (and
-# PostgreSQL a WAL flush) than the statements themselves.
+# Most results one commit takes (a worker's default concurrency).
 MAX_GROUP = 64
 # How long the committer waits for more rows before it commits. A commit on SQLite is
 # shorter than the gap between two results, so without it most groups are one row; a few

@@ -23,6 +23,7 @@ import redis
 import requests
 import sqlalchemy as sa
 
+from common.db import sqlalchemy_url
 from common.schema import metadata
 from common.settings import Settings
 from ops.localredis import free_port
@@ -33,7 +34,7 @@ POSTGRES_URL = os.environ.get(
     "DATAGEN_BENCH_POSTGRES_URL", "postgresql://postgres@127.0.0.1:5432/bench"
 )
 # The same database as SQLAlchemy names it with the driver the project installs.
-POSTGRES_SA_URL = POSTGRES_URL.replace("postgresql://", "postgresql+psycopg://", 1)
+POSTGRES_SA_URL = sqlalchemy_url(POSTGRES_URL)
 WORKDIR = Path(os.environ.get("DATAGEN_BENCH_DIR", "/tmp/datagen-bench"))
 ROOT = Path(__file__).resolve().parent.parent.parent
 CLK_TCK = os.sysconf("SC_CLK_TCK")

@@ -213,7 +213,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse(argv)
-    emit("hotpath", args, {**run(args)})
+    emit("hotpath", args, run(args))
     return 0
 
 
