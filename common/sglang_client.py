@@ -109,6 +109,7 @@ class _Endpoint:
     route: Route
     head: bytes  # the header block FastConnection sends
     headers: dict[str, str]  # the headers http.client sends (TLS or a proxy in between)
+    proxies: dict[str, str]  # for requests' calls (abort, health, model info)
 
 
 class SGLangClient:
@@ -131,15 +132,14 @@ class SGLangClient:
         self._headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self._models: dict[str, str] = {}
         # Proxy settings are read from the environment once, here, never per request.
-        proxies = {u: requests.utils.get_environ_proxies(u) for u in urls}
-        self._proxies = proxies[urls[0]] if urls else {}
-        self._endpoints = {u: self._endpoint(u, p) for u, p in proxies.items()}
+        self._endpoints = {u: self._endpoint(u, requests.utils.get_environ_proxies(u))
+                           for u in urls}
 
     def _endpoint(self, server: str, proxies: dict[str, str]) -> _Endpoint:
         target = route(server, proxies)
         headers = {"Content-Type": "application/json", **self._headers,
                    **dict(target.proxy_headers)}
-        return _Endpoint(target, request_head(target, self._headers), headers)
+        return _Endpoint(target, request_head(target, self._headers), headers, proxies)
 
     def _session(self) -> requests.Session:
         session = getattr(self._local, "session", None)
@@ -147,9 +147,13 @@ class SGLangClient:
             session = requests.Session()
             session.headers.update(self._headers)
             session.trust_env = False
-            session.proxies = self._proxies
             self._local.session = session
         return session
+
+    def _request(self, method: str, server: str, path: str, **kwargs: Any) -> requests.Response:
+        # Each server with its own proxy settings: NO_PROXY may exempt some and not others.
+        proxies = self._endpoints[server].proxies
+        return self._session().request(method, f"{server}{path}", proxies=proxies, **kwargs)
 
     def pick_server(self) -> str:
         with self._lock:
@@ -243,7 +247,7 @@ class SGLangClient:
         """Abort a request on every server (a rid lives on one; the others ignore it)."""
         for server in self.urls:
             try:
-                self._session().post(f"{server}/abort_request", json={"rid": rid}, timeout=5)
+                self._request("POST", server, "/abort_request", json={"rid": rid}, timeout=5)
             except requests.RequestException:
                 continue
 
@@ -252,7 +256,7 @@ class SGLangClient:
         name = self._models.get(server)
         if name is None:
             try:
-                info = self._session().get(f"{server}/model_info", timeout=self.timeout[0] + 5)
+                info = self._request("GET", server, "/model_info", timeout=self.timeout[0] + 5)
                 data = info.json() if info.status_code == 200 else {}
             except (requests.RequestException, ValueError):
                 data = {}
@@ -266,7 +270,7 @@ class SGLangClient:
         down = []
         for server in self.urls:
             try:
-                r = self._session().get(f"{server}/health", timeout=(self.timeout[0], 30))
+                r = self._request("GET", server, "/health", timeout=(self.timeout[0], 30))
                 if r.status_code != 200:
                     down.append(f"{server}: /health answered HTTP {r.status_code}")
             except requests.RequestException as exc:

@@ -81,7 +81,8 @@ def _cost(budget: Budget) -> sa.ColumnElement[int]:
 
 
 # The worker's per-sample statements, built once with bind parameters.
-_PROMPT_BY_KEY = sa.select(
+_PROMPTS_BY_KEYS = sa.select(
+    prompts.c.sample_id,
     prompts.c.state,
     prompts.c.input_ids,
     prompts.c.prompt_tokens,
@@ -89,7 +90,7 @@ _PROMPT_BY_KEY = sa.select(
     prompts.c.attempts,
 ).where(
     prompts.c.dataset == sa.bindparam("p_dataset"),
-    prompts.c.sample_id == sa.bindparam("p_sample_id"),
+    prompts.c.sample_id.in_(sa.bindparam("p_sample_ids", expanding=True)),
 )
 # The group commit's statements are written for the driver directly: SQLAlchemy's
 # per-row parameter handling of a 15-column INSERT cost more CPU than the database did.
@@ -328,12 +329,20 @@ class Store:
             return list(conn.scalars(q))
 
     def prompt(self, dataset: str, sample_id: str) -> PromptRow | None:
+        return self.prompts([(dataset, sample_id)])[0]
+
+    def prompts(self, keys: Sequence[tuple[str, str]]) -> list[PromptRow | None]:
+        """The prompts of (dataset, sample_id) keys, in order; None where there is none."""
+        by_dataset: dict[str, list[str]] = {}
+        for dataset, sample_id in keys:
+            by_dataset.setdefault(dataset, []).append(sample_id)
+        found: dict[tuple[str, str], PromptRow] = {}
         with self._reads.connect() as conn:
-            key = {"p_dataset": dataset, "p_sample_id": sample_id}
-            r = conn.execute(_PROMPT_BY_KEY, key).first()
-        if r is None:
-            return None
-        return PromptRow(dataset, sample_id, r[0], r[1], r[2], r[3], r[4])
+            for dataset, sample_ids in by_dataset.items():
+                params = {"p_dataset": dataset, "p_sample_ids": sample_ids}
+                for r in conn.execute(_PROMPTS_BY_KEYS, params):
+                    found[dataset, r[0]] = PromptRow(dataset, r[0], r[1], r[2], r[3], r[4], r[5])
+        return [found.get(key) for key in keys]
 
     def record_attempt(self, dataset: str, sample_id: str, error: str, count: bool = True) -> int:
         """Record a failed attempt's error, counted unless ``count`` is False; returns attempts."""

@@ -231,3 +231,44 @@ def test_tls_and_proxied_servers_go_through_http_client() -> None:
                      "http://10.0.0.5:30000": FastConnection}
     proxied = route("http://10.0.0.5:30000", {"http": "http://proxy:3128"})
     assert type(new_connection(proxied, 1.0)) is http.client.HTTPConnection
+
+
+class PathRecorder(BaseHTTPRequestHandler):
+    """Answers every GET with 200 and keeps the request target (absolute via a proxy)."""
+
+    protocol_version = "HTTP/1.1"
+    server: Any
+
+    def log_message(self, *args: Any) -> None:
+        pass
+
+    def do_GET(self) -> None:
+        self.server.paths.append(self.path)
+        self.send_response(200)
+        self.send_header("Content-Length", "2")
+        self.end_headers()
+        self.wfile.write(b"{}")
+
+
+def test_each_server_uses_its_own_proxy_settings(monkeypatch: pytest.MonkeyPatch) -> None:
+    servers = []
+    for _ in range(2):
+        httpd = ThreadingHTTPServer(("127.0.0.1", 0), PathRecorder)
+        httpd.paths = []  # type: ignore[attr-defined]
+        threading.Thread(target=httpd.serve_forever, daemon=True).start()
+        servers.append(httpd)
+    direct, proxy = servers
+    try:
+        for var in ("HTTP_PROXY", "http_proxy"):
+            monkeypatch.setenv(var, f"http://127.0.0.1:{proxy.server_port}")
+        for var in ("NO_PROXY", "no_proxy"):
+            monkeypatch.setenv(var, "127.0.0.1")
+        near = f"http://127.0.0.1:{direct.server_port}"
+        far = "http://gpu-b.example:30000"  # resolvable only by the proxy
+        client = SGLangClient((near, far))
+        assert client.check_servers() == []
+        assert direct.paths == ["/health"]  # type: ignore[attr-defined]
+        assert proxy.paths == [f"{far}/health"]  # type: ignore[attr-defined]
+    finally:
+        for httpd in servers:
+            httpd.shutdown()

@@ -62,3 +62,19 @@ def test_prompts_read_back_and_a_second_insert_changes_nothing(db_url: str) -> N
     with store.engine.connect() as conn:
         stored = dict(conn.execute(sa.select(prompts.c.sample_id, prompts.c.messages)).all())
     assert stored == {row["sample_id"]: row["messages"] for row in rows}
+
+
+def test_a_group_read_answers_each_key_in_order_across_datasets(db_url: str) -> None:
+    store = Store(db_url)
+    rows = _rows(12)
+    other = [{**r, "dataset": "st2", "input_ids": [9] * (i + 1)} for i, r in enumerate(rows[:3])]
+    store.insert_prompts(rows + other)
+    keys = [("st", "s5"), ("st2", "s1"), ("st", "missing"), ("nope", "s1"), ("st", "s0"),
+            ("st2", "s2")]
+    got = store.prompts(keys)
+    assert [None if g is None else (g.dataset, g.sample_id) for g in got] == [
+        ("st", "s5"), ("st2", "s1"), None, None, ("st", "s0"), ("st2", "s2")]
+    assert got[0] is not None and got[0].input_ids == rows[5]["input_ids"]
+    assert got[1] is not None and got[1].input_ids == [9, 9]
+    assert got[5] is not None and got[5].input_ids == [9, 9, 9]
+    assert store.prompts([]) == []

@@ -85,6 +85,14 @@ def _stop_heartbeat(sender: Any = None, **_: Any) -> None:
         beat.stop()
 
 
+@signals.worker_shutdown.connect
+def _report_groups(sender: Any = None, **_: Any) -> None:
+    ctx = getattr(getattr(sender, "app", None), "datagen_context", None)
+    if ctx is not None:
+        log.info("shared reads: %d prompts in %d SELECTs; shared commits: %d results in %d",
+                 ctx.prompts.items, ctx.prompts.batches, ctx.results.rows, ctx.results.commits)
+
+
 @signals.task_received.connect
 def _track(sender: Any = None, request: Any = None, **_: Any) -> None:
     if _ours(getattr(sender, "app", None)) and request is not None:

@@ -15,13 +15,18 @@ from celery import Celery
 from common.ledger import Ledger
 from common.settings import Settings
 from common.sglang_client import SGLangClient
-from common.store import DatasetRow, Store
+from common.store import DatasetRow, PromptRow, Store
+from workers.grouping import GroupCall
 from workers.inflight import LiveRids
-from workers.results import ResultWriter
+from workers.results import MAX_GROUP, ResultWriter
 
 log = logging.getLogger(__name__)
 DATASET_CACHE_S = 5.0
 Decoder = Callable[[Sequence[int]], str]
+# How long a prompt read waits for other tasks' reads to share its SELECT. Each SELECT
+# costs a PostgreSQL worker about as much CPU as the rest of its pipeline; a couple of
+# milliseconds before a generation are nothing.
+READ_LINGER_S = 0.01
 
 
 @dataclass
@@ -32,6 +37,7 @@ class WorkerContext:
     client: SGLangClient
     app: Celery | None = None
     results: ResultWriter = field(init=False)
+    prompts: GroupCall[tuple[str, str], PromptRow | None] = field(init=False)
     live_rids: LiveRids = field(default_factory=LiveRids)
     _datasets: dict[str, tuple[float, DatasetRow]] = field(default_factory=dict)
     _decoders: dict[str, Decoder | None] = field(default_factory=dict)
@@ -39,6 +45,8 @@ class WorkerContext:
 
     def __post_init__(self) -> None:
         self.results = ResultWriter(self.store)
+        self.prompts = GroupCall(self.store.prompts, max_group=MAX_GROUP,
+                                 linger_s=READ_LINGER_S)
 
     @classmethod
     def build(cls, settings: Settings, app: Celery | None = None) -> WorkerContext:

@@ -53,7 +53,7 @@ def sampling_params(ds: DatasetRow, prompt: PromptRow) -> dict[str, Any]:
 
 
 def run_sample(ctx: WorkerContext, dataset: str, sample_id: str) -> Outcome:
-    prompt = ctx.store.prompt(dataset, sample_id)
+    prompt = ctx.prompts((dataset, sample_id))
     if prompt is None:
         log.warning("no stored prompt for %s/%s; dropping the message", dataset, sample_id)
         return Outcome.MISSING

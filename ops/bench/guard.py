@@ -22,6 +22,7 @@ from common.celery_app import make_celery
 from common.closing import after_close
 from common.keys import dataset_keys, queue_name
 from common.ledger import Ledger
+from common.publish import Publisher
 from common.sglang_client import SGLangClient
 from common.store import DatasetRow, Store
 from ops.bench.harness import (
@@ -29,7 +30,6 @@ from ops.bench.harness import (
     bench_settings,
     fresh_db,
     fresh_redis,
-    publisher,
     start_sim,
 )
 from ops.bench.report import emit, percentile, table, verdict
@@ -52,7 +52,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
 
 def sample_message(r: redis.Redis, settings: Any) -> bytes:
     """One real message as the producer publishes it (kombu JSON envelope, stamped)."""
-    publisher(make_celery(settings)).publish("probe", "probe@0", ["h0123456789abcdef"])
+    Publisher(make_celery(settings)).publish("probe", "probe@0", ["h0123456789abcdef"])
     raw = r.lindex(queue_name("probe"), 0)
     assert raw is not None, "the probe message did not reach Redis"
     r.delete(queue_name("probe"))

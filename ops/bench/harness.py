@@ -229,13 +229,6 @@ def _create_database(url: sa.URL) -> None:
         admin.dispose()
 
 
-def publisher(app: Any) -> Any:
-    """The producer's Publisher, found through the module that uses it (it has moved)."""
-    from producer import enqueue as producer_enqueue
-
-    return producer_enqueue.Publisher(app)  # type: ignore[attr-defined]
-
-
 def clean_workdir() -> None:
     hold_locks()
     shutil.rmtree(WORKDIR / "tmp", ignore_errors=True)

@@ -115,8 +115,13 @@ def sql_cases(store: Store, keys: list[tuple[str, str]]) -> dict[str, Callable[[
         if i % 8 == 0:
             store.save_results([row(i + k, "g") for k in range(8)])
 
+    def group_read(i: int) -> Any:
+        if i % 8 == 0:
+            store.prompts([keys[(i + k) % len(keys)] for k in range(8)])
+
     return {"Store.prompt (as is)": lambda i: store.prompt(*keys[i % len(keys)]),
             "SELECT prompt, statement built once": prebuilt_select,
+            "Store.prompts, 8 keys a SELECT (per prompt)": group_read,
             "Store.save_result (as is)": lambda i: store.save_result(row(i, "a")),
             "INSERT + UPDATE, statements built once": prebuilt_save,
             "Store.save_results, 8 rows a commit (per row)": grouped}

@@ -138,7 +138,8 @@ def profile_leg(procs: Processes, sim: tuple[str, int], args: argparse.Namespace
 
 
 WORKER_STEPS: tuple[tuple[str, str], ...] = (
-    ("Store.prompt (SELECT)", "Store.prompt ("), ("Ledger.admit (Lua)", "Ledger.admit ("),
+    ("Store.prompts (group read: SELECT)", "Store.prompts ("),
+    ("Ledger.admit (Lua)", "Ledger.admit ("),
     ("WorkerContext.dataset", "WorkerContext.dataset ("),
     ("SGLangClient.generate (HTTP + JSON)", "SGLangClient.generate ("),
     ("Ledger.charge (Lua)", "Ledger.charge ("), ("result_row", "result_row ("),

@@ -22,8 +22,9 @@ from typing import Any
 from tokenizers import Tokenizer
 
 from common.celery_app import make_celery
+from common.publish import Publisher
 from common.store import Store
-from ops.bench.harness import bench_settings, fresh_db, fresh_redis, publisher
+from ops.bench.harness import bench_settings, fresh_db, fresh_redis
 from ops.bench.report import Summary, table
 from ops.bench.synth import prompt_files, templater
 from producer.reader import PromptRecord, ReadReport, read_dataset
@@ -67,7 +68,7 @@ class Loop:
         self.settings = bench_settings(fresh_db("sqlite", "stages"), "http://127.0.0.1:9")
         self.store = Store(self.settings.database_url)
         self.app = make_celery(self.settings)
-        self.pub = publisher(self.app)
+        self.pub = Publisher(self.app)
         self.tok = Tokenizer.from_file(str(BUNDLED_TOKENIZER / "tokenizer.json"))
         self.tmpl = templater()
 

@@ -17,7 +17,8 @@ from typing import Any
 
 from common.celery_app import GENERATE_TASK, STAMP, make_celery
 from common.keys import queue_name
-from ops.bench.harness import bench_settings, fresh_redis, publisher
+from common.publish import Publisher
+from ops.bench.harness import bench_settings, fresh_redis
 from ops.bench.report import Summary, table
 
 DATASET, STAMP_VALUE = "pubbench", "pubbench@0"
@@ -34,7 +35,7 @@ def _bare_send_task(app: Any, ids: list[str]) -> None:
 
 
 def _tuned_send_task(app: Any, ids: list[str]) -> None:
-    pub = publisher(app)
+    pub = Publisher(app)
     for start in range(0, len(ids), 1000):
         with app.producer_or_acquire() as producer:
             pub._publish_via_celery(producer, queue_name(DATASET), DATASET, STAMP_VALUE,
@@ -49,7 +50,7 @@ def run(n: int, reps: int) -> dict[str, Summary]:
         "send_task with the producer's options (its fallback)":
             lambda ids: _tuned_send_task(app, ids),
         "Publisher.publish (the producer's: template + one LPUSH a chunk)":
-            lambda ids: publisher(app).publish_all(DATASET, STAMP_VALUE, ids),
+            lambda ids: Publisher(app).publish_all(DATASET, STAMP_VALUE, ids),
     }
     times: dict[str, list[float]] = {k: [] for k in paths}
     sizes: dict[str, int] = {}

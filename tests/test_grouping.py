@@ -1,0 +1,102 @@
+"""GroupCall: many threads' calls served by shared batch calls, each thread answered with
+its own item's result or error, and a failed batch never stranding a later caller."""
+
+from __future__ import annotations
+
+import threading
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from workers.grouping import GroupCall
+
+
+class Gate(BaseException):
+    """Not an Exception: a batch that raises it must still release the other callers."""
+
+
+def test_each_caller_gets_its_own_result_and_calls_share_batches() -> None:
+    sizes: list[int] = []
+    release = threading.Event()
+
+    def batch(items: list[int]) -> list[int]:
+        release.wait(5)  # the first batch holds, so the others queue up behind it
+        sizes.append(len(items))
+        return [i * i for i in items]
+
+    group: GroupCall[int, int] = GroupCall(batch, max_group=8, linger_s=0.001)
+    with ThreadPoolExecutor(32) as pool:
+        futures = [pool.submit(group, i) for i in range(200)]
+        release.set()
+        results = [f.result(timeout=10) for f in futures]
+    assert results == [i * i for i in range(200)]
+    assert sum(sizes) == 200 and max(sizes) <= 8
+    assert len(sizes) < 200 and (group.batches, group.items) == (len(sizes), 200)
+
+
+def test_an_item_error_fails_only_that_item() -> None:
+    def batch(items: list[int]) -> list[int | BaseException]:
+        return [ValueError(f"bad {i}") if i % 3 == 0 else i for i in items]
+
+    group: GroupCall[int, int] = GroupCall(batch, max_group=16, linger_s=0.005)
+
+    def call(i: int) -> int | str:
+        try:
+            return group(i)
+        except ValueError as exc:
+            return str(exc)
+
+    with ThreadPoolExecutor(16) as pool:
+        got = list(pool.map(call, range(48)))
+    assert got == [f"bad {i}" if i % 3 == 0 else i for i in range(48)]
+
+
+def test_a_failed_batch_fails_its_items_and_later_calls_still_run() -> None:
+    calls = [0]
+
+    def batch(items: list[int]) -> list[int]:
+        calls[0] += 1
+        if calls[0] == 1:
+            raise ConnectionError("database away")
+        return items
+
+    group: GroupCall[int, int] = GroupCall(batch, max_group=4, linger_s=0)
+    with pytest.raises(ConnectionError, match="database away"):
+        group(1)
+    assert group(2) == 2
+
+
+def test_a_short_answer_is_an_error_for_every_item() -> None:
+    group: GroupCall[int, int] = GroupCall(lambda items: items[:-1], max_group=4, linger_s=0)
+    with pytest.raises(RuntimeError, match="answered 0 of 1 items"):
+        group(1)
+
+
+def test_a_base_exception_reaches_the_leader_and_the_waiters() -> None:
+    entered, release = threading.Event(), threading.Event()
+
+    def batch(items: list[int]) -> list[int]:
+        entered.set()
+        release.wait(5)
+        raise Gate()
+
+    group: GroupCall[int, int] = GroupCall(batch, max_group=8, linger_s=0)
+    outcomes: list[str] = []
+
+    def call(i: int) -> None:
+        try:
+            group(i)
+        except Gate:
+            outcomes.append("gate")
+
+    leader = threading.Thread(target=call, args=(0,))
+    leader.start()
+    assert entered.wait(5)
+    followers = [threading.Thread(target=call, args=(i,)) for i in range(1, 4)]
+    for t in followers:
+        t.start()
+    release.set()
+    for t in [leader, *followers]:
+        t.join(10)
+    # The leader's batch raised Gate; the followers' own batch (after it) raised it too.
+    assert outcomes == ["gate"] * 4
