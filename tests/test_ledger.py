@@ -6,9 +6,9 @@ import threading
 
 import redis
 
-from common.budget import Budget
+from common.budget import Budget, Policy
 from common.keys import dataset_keys
-from common.ledger import Admission, Charge, Ledger
+from common.ledger import Admission, AdmitArgs, Charge, ChargeArgs, ChargeResult, Ledger
 
 
 def test_charge_is_idempotent_per_sample(ledger: Ledger) -> None:
@@ -129,3 +129,56 @@ def test_admission_reserves_mean_plus_one_standard_deviation(ledger: Ledger) -> 
     ledger.release("ds", "r3")
     ledger.admit("ds", "r5", 10_000, 50)
     assert ledger.state("ds").reserved_tokens == 281  # mean 200, sd sqrt(6666.7) = 81.6
+
+
+Replay = tuple[list[Admission], list[ChargeResult], tuple[object, ...]]
+
+
+def _replay(ledger: Ledger, name: str, policy: Policy, batched: bool,
+            redis_client: redis.Redis) -> Replay:
+    """One sequence of admissions and charges (duplicates, a crossing, refusals after it),
+    made one by one or in batches; returns what the ledger answered and its end state."""
+    ledger.configure(name, Budget(1_000, policy=policy))
+    for q in dataset_keys(name).queue_lists:
+        redis_client.rpush(q, "queued-1", "queued-2")
+    asks = [AdmitArgs(name, f"r{i}", 400, 300) for i in range(6)]
+    charges = [ChargeArgs(name, f"s{i % 5}", f"r{i}", 20, 130 * (i % 4 + 1)) for i in range(9)]
+    if batched:
+        admitted = list(ledger.admit_many(asks[:3])) + list(ledger.admit_many(asks[3:]))
+        charged = list(ledger.charge_many(charges[:4])) + list(ledger.charge_many(charges[4:]))
+    else:
+        admitted = [ledger.admit(a.name, a.rid, a.max_new_tokens, a.default_expected)
+                    for a in asks]
+        charged = [ledger.charge(c.name, c.sample_id, c.rid, c.prompt_tokens,
+                                 c.completion_tokens) for c in charges]
+    state = ledger.state(name)
+    end = (state.used_tokens, state.samples, state.state, state.reserved_tokens,
+           state.inflight, state.queued, state.used_at_close)
+    return admitted, charged, end
+
+
+def test_batched_calls_answer_exactly_as_single_calls(
+    ledger: Ledger, redis_client: redis.Redis
+) -> None:
+    policies: tuple[Policy, ...] = ("drain", "abort", "exact")
+    for policy in policies:
+        single = _replay(ledger, f"one-{policy}", policy, False, redis_client)
+        batched = _replay(ledger, f"many-{policy}", policy, True, redis_client)
+        assert batched == single
+        admitted, charged, end = batched
+        assert Admission.WAIT in admitted and Admission.ADMITTED in admitted
+        assert [c.crossed for c in charged].count(True) == 1
+        assert Charge.DUPLICATE in [c.status for c in charged]
+        assert end[2] == "closed"
+
+
+def test_batched_calls_load_scripts_redis_lost(ledger: Ledger, redis_client: redis.Redis) -> None:
+    ledger.configure("ds", Budget(1_000))
+    redis_client.script_flush()
+    assert ledger.admit_many([AdmitArgs("ds", "r1", 100, 100)]) == [Admission.ADMITTED]
+    redis_client.script_flush()
+    charged = ledger.charge_many([ChargeArgs("ds", "s1", "r1", 0, 10),
+                                  ChargeArgs("ds", "s1", "r2", 0, 10)])
+    assert [c.status for c in charged] == [Charge.CHARGED, Charge.DUPLICATE]
+    assert ledger.state("ds").used_tokens == 10
+    assert ledger.admit_many([]) == [] and ledger.charge_many([]) == []

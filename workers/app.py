@@ -89,8 +89,9 @@ def _stop_heartbeat(sender: Any = None, **_: Any) -> None:
 def _report_groups(sender: Any = None, **_: Any) -> None:
     ctx = getattr(getattr(sender, "app", None), "datagen_context", None)
     if ctx is not None:
-        log.info("shared reads: %d prompts in %d SELECTs; shared commits: %d results in %d",
-                 ctx.prompts.items, ctx.prompts.batches, ctx.results.rows, ctx.results.commits)
+        log.info("shared steps: %d admissions in %d groups, %d settlements in %d",
+                 ctx.admissions.items, ctx.admissions.batches, ctx.settlements.items,
+                 ctx.settlements.batches)
 
 
 @signals.task_received.connect

@@ -15,18 +15,18 @@ from celery import Celery
 from common.ledger import Ledger
 from common.settings import Settings
 from common.sglang_client import SGLangClient
-from common.store import DatasetRow, PromptRow, Store
+from common.store import DatasetRow, Store
+from workers import steps
 from workers.grouping import GroupCall
 from workers.inflight import LiveRids
-from workers.results import MAX_GROUP, ResultWriter
+from workers.results import LINGER_S, MAX_GROUP, ResultWriter
 
 log = logging.getLogger(__name__)
 DATASET_CACHE_S = 5.0
 Decoder = Callable[[Sequence[int]], str]
-# How long a prompt read waits for other tasks' reads to share its SELECT. Each SELECT
-# costs a PostgreSQL worker about as much CPU as the rest of its pipeline; a couple of
-# milliseconds before a generation are nothing.
-READ_LINGER_S = 0.01
+# How long a task about to send its request waits for others to share its prompt read
+# and admission (workers/steps.py). Milliseconds are nothing next to a generation.
+ADMIT_LINGER_S = 0.01
 
 
 @dataclass
@@ -37,7 +37,8 @@ class WorkerContext:
     client: SGLangClient
     app: Celery | None = None
     results: ResultWriter = field(init=False)
-    prompts: GroupCall[tuple[str, str], PromptRow | None] = field(init=False)
+    admissions: GroupCall[steps.AdmitItem, steps.Admitted] = field(init=False)
+    settlements: GroupCall[steps.SettleItem, steps.Settled] = field(init=False)
     live_rids: LiveRids = field(default_factory=LiveRids)
     _datasets: dict[str, tuple[float, DatasetRow]] = field(default_factory=dict)
     _decoders: dict[str, Decoder | None] = field(default_factory=dict)
@@ -45,8 +46,10 @@ class WorkerContext:
 
     def __post_init__(self) -> None:
         self.results = ResultWriter(self.store)
-        self.prompts = GroupCall(self.store.prompts, max_group=MAX_GROUP,
-                                 linger_s=READ_LINGER_S)
+        self.admissions = GroupCall(lambda items: steps.admit_group(self, items),
+                                    max_group=MAX_GROUP, linger_s=ADMIT_LINGER_S)
+        self.settlements = GroupCall(lambda items: steps.settle_group(self, items),
+                                     max_group=MAX_GROUP, linger_s=LINGER_S)
 
     @classmethod
     def build(cls, settings: Settings, app: Celery | None = None) -> WorkerContext:

@@ -14,19 +14,18 @@ from enum import StrEnum
 from typing import Any
 
 import redis
-from sqlalchemy.exc import OperationalError
+from sqlalchemy.exc import InterfaceError, OperationalError
 
 from common.closing import after_close
 from common.errors import TransientError
-from common.ledger import Admission, Charge, ChargeResult
+from common.ledger import Admission, Charge
 from common.reconcile import reconcile_dataset
 from common.sglang_client import Completion
 from common.store import DatasetRow, PromptRow
 from workers.context import WorkerContext
+from workers.steps import DEFAULT_EXPECTED_TOKENS
 
 log = logging.getLogger(__name__)
-# Expected output of one request before a dataset has any result (admission estimate).
-DEFAULT_EXPECTED_TOKENS = 2048
 DB_RETRY_WINDOW_S = 600.0
 
 
@@ -53,17 +52,18 @@ def sampling_params(ds: DatasetRow, prompt: PromptRow) -> dict[str, Any]:
 
 
 def run_sample(ctx: WorkerContext, dataset: str, sample_id: str) -> Outcome:
-    prompt = ctx.prompts((dataset, sample_id))
-    if prompt is None:
-        log.warning("no stored prompt for %s/%s; dropping the message", dataset, sample_id)
-        return Outcome.MISSING
-    if prompt.state != "queued":
-        return _settle_finished(ctx, dataset, prompt)
     rid = new_rid(dataset)
-    # Claimed before ADMIT, so the reaper never frees a reservation this process holds.
+    # Claimed before ADMIT (which comes with the prompt read), so the reaper never frees a
+    # reservation this process holds.
     ctx.live_rids.add(rid)
     try:
-        return _generate(ctx, prompt, rid)
+        prompt, admission = ctx.admissions((dataset, sample_id, rid))
+        if prompt is None:
+            log.warning("no stored prompt for %s/%s; dropping the message", dataset, sample_id)
+            return Outcome.MISSING
+        if prompt.state != "queued" or admission is None:
+            return _settle_finished(ctx, dataset, prompt)
+        return _generate(ctx, prompt, rid, admission)
     except BaseException:
         # Whatever failed after ADMIT may have run (an answer lost to a reset connection):
         # free the reservation, or the dataset's admission would count it for good.
@@ -73,8 +73,12 @@ def run_sample(ctx: WorkerContext, dataset: str, sample_id: str) -> Outcome:
         ctx.live_rids.discard(rid)
 
 
-def _generate(ctx: WorkerContext, prompt: PromptRow, rid: str) -> Outcome:
-    admission = _admit(ctx, prompt, rid)
+def _generate(ctx: WorkerContext, prompt: PromptRow, rid: str, admission: Admission) -> Outcome:
+    if admission is Admission.UNKNOWN:
+        # The ledger lost its terms (Redis restarted): rebuild them from SQL, then ask again.
+        reconcile_dataset(ctx.store, ctx.ledger, prompt.dataset)
+        admission = ctx.ledger.admit(prompt.dataset, rid, prompt.max_new_tokens,
+                                     DEFAULT_EXPECTED_TOKENS)
     if admission is Admission.CLOSED:
         return Outcome.CLOSED
     if admission is not Admission.ADMITTED:
@@ -94,26 +98,20 @@ def _release_quietly(ctx: WorkerContext, dataset: str, rid: str) -> None:
         log.warning("could not release %s's reservation %s; Redis does not answer", dataset, rid)
 
 
-def _admit(ctx: WorkerContext, prompt: PromptRow, rid: str) -> Admission:
-    """Ask the ledger for room; a ledger that lost its terms is rebuilt from SQL first."""
-    args = (prompt.dataset, rid, prompt.max_new_tokens, DEFAULT_EXPECTED_TOKENS)
-    admission = ctx.ledger.admit(*args)
-    if admission is Admission.UNKNOWN:
-        reconcile_dataset(ctx.store, ctx.ledger, prompt.dataset)
-        admission = ctx.ledger.admit(*args)
-    return admission
-
-
 def keep(ctx: WorkerContext, ds: DatasetRow, sample_id: str, completion: Completion) -> Outcome:
     """Charge the sample, then store what the charge allows."""
-    charge = ctx.ledger.charge(
-        ds.name, sample_id, completion.rid, completion.prompt_tokens, completion.completion_tokens
-    )
+    settled = ctx.settlements((ds, sample_id, completion))
+    charge, row = settled.charge, settled.row
     if charge.status is Charge.REFUSED:
         return Outcome.DISCARDED
-    row = result_row(ctx, ds, sample_id, completion, charge)
-    inserted = with_db_retry(lambda: ctx.results.save(row))
-    if charge.status is Charge.DUPLICATE and inserted:
+    if row is not None and isinstance(settled.error, (OperationalError, InterfaceError)):
+        # Charged, but the database was away: store this row alone once it is back.
+        inserted = with_db_retry(lambda: ctx.results.save(row))
+    elif settled.error is not None:
+        raise settled.error
+    else:
+        inserted = settled.inserted
+    if charge.status is Charge.DUPLICATE and inserted and row is not None:
         # Charged before a crash that lost the store: price the result now kept.
         cost = ds.budget.cost(row["prompt_tokens"], row["completion_tokens"])
         ctx.ledger.recharge(ds.name, sample_id, cost)
@@ -144,33 +142,6 @@ def _aborted(
     message = completion.finish_detail.get("message", "aborted")
     raise TransientError(f"{completion.server}: request aborted by the server ({message})",
                          server=completion.server)
-
-
-def result_row(
-    ctx: WorkerContext, ds: DatasetRow, sample_id: str, c: Completion, charge: ChargeResult
-) -> dict[str, Any]:
-    ids, text, finish = c.output_ids, c.text, c.finish_type
-    if charge.status is Charge.CHARGED and charge.kept_completion_tokens < c.completion_tokens:
-        ids = ids[: charge.kept_completion_tokens]
-        decode = ctx.decoder(ds.tokenizer)
-        text = decode(ids) if decode else ""
-        finish = "budget"
-    return {
-        "dataset": ds.name,
-        "sample_id": sample_id,
-        "rid": c.rid,
-        "prompt_tokens": c.prompt_tokens,
-        "completion_tokens": len(ids),
-        "cached_tokens": c.cached_tokens,
-        "reasoning_tokens": min(c.reasoning_tokens, len(ids)),
-        "finish_reason": finish,
-        "finish_detail": c.finish_detail,
-        "output_ids": ids,
-        "output_text": text,
-        "e2e_latency_s": c.e2e_latency_s,
-        "server": c.server,
-        "model": ctx.client.model(c.server),
-    }
 
 
 def with_db_retry(fn: Any, window_s: float = DB_RETRY_WINDOW_S) -> Any:

@@ -33,7 +33,7 @@ class ResultWriter:
                  linger_s: float = LINGER_S) -> None:
         self.store = store
         self._group: GroupCall[dict[str, Any], bool] = GroupCall(
-            self._commit, max_group=max_group, linger_s=linger_s)
+            lambda rows: commit_rows(store, rows), max_group=max_group, linger_s=linger_s)
 
     @property
     def commits(self) -> int:
@@ -47,28 +47,35 @@ class ResultWriter:
         """Store the result and mark its prompt done; False if it was stored before."""
         return self._group(row)
 
-    def _commit(self, rows: list[dict[str, Any]]) -> Outcomes[bool]:
-        # Two deliveries of one sample in one group: only the first row is offered, so the
-        # other learns it is a duplicate (as it would in a later transaction).
-        first: dict[tuple[str, str], int] = {}
-        for i, row in enumerate(rows):
-            first.setdefault(_key(row), i)
-        try:
-            inserted = self.store.save_results([rows[i] for i in first.values()])
-        except (sa_exc.OperationalError, sa_exc.InterfaceError):
-            raise  # the database is away: every row's task waits it out and tries again
-        except Exception as exc:
-            if len(rows) == 1:
-                return [exc]
-            # One bad row must not fail the others: store them one by one.
-            return [self._commit_alone(row) for row in rows]
-        return [first[_key(row)] == i and _key(row) in inserted for i, row in enumerate(rows)]
 
-    def _commit_alone(self, row: dict[str, Any]) -> bool | BaseException:
-        try:
-            return self._commit([row])[0]
-        except Exception as exc:
-            return exc
+def commit_rows(store: Store, rows: list[dict[str, Any]]) -> Outcomes[bool]:
+    """Store rows in one transaction: for each, whether it was new, or its own error.
+
+    A database that does not answer raises for all: every row's task waits it out."""
+    if not rows:
+        return []
+    # Two deliveries of one sample in one group: only the first row is offered, so the
+    # other learns it is a duplicate (as it would in a later transaction).
+    first: dict[tuple[str, str], int] = {}
+    for i, row in enumerate(rows):
+        first.setdefault(_key(row), i)
+    try:
+        inserted = store.save_results([rows[i] for i in first.values()])
+    except (sa_exc.OperationalError, sa_exc.InterfaceError):
+        raise
+    except Exception as exc:
+        if len(rows) == 1:
+            return [exc]
+        # One bad row must not fail the others: store them one by one.
+        return [_commit_alone(store, row) for row in rows]
+    return [first[_key(row)] == i and _key(row) in inserted for i, row in enumerate(rows)]
+
+
+def _commit_alone(store: Store, row: dict[str, Any]) -> bool | BaseException:
+    try:
+        return commit_rows(store, [row])[0]
+    except Exception as exc:
+        return exc
 
 
 def _key(row: dict[str, Any]) -> tuple[str, str]:

@@ -138,13 +138,16 @@ def profile_leg(procs: Processes, sim: tuple[str, int], args: argparse.Namespace
 
 
 WORKER_STEPS: tuple[tuple[str, str], ...] = (
-    ("Store.prompts (group read: SELECT)", "Store.prompts ("),
+    ("Store.prompts (shared SELECT)", "Store.prompts ("),
+    ("Ledger.admit_many (pipelined ADMIT)", "Ledger.admit_many ("),
     ("Ledger.admit (Lua)", "Ledger.admit ("),
     ("WorkerContext.dataset", "WorkerContext.dataset ("),
     ("SGLangClient.generate (HTTP + JSON)", "SGLangClient.generate ("),
+    ("Ledger.charge_many (pipelined CHARGE)", "Ledger.charge_many ("),
     ("Ledger.charge (Lua)", "Ledger.charge ("), ("result_row", "result_row ("),
     ("Store.save_result (INSERT + UPDATE)", "Store.save_result ("),
-    ("ResultWriter.save (group commit: INSERT + UPDATE)", "ResultWriter.save ("),
+    ("commit_rows (shared commit: INSERT + UPDATE)", "commit_rows ("),
+    ("shared steps: waiting for the group", "GroupCall.__call__ ("),
     ("run_sample, other", "run_sample ("), ("Celery task tracer", "trace_task ("),
     ("thread pool", "_worker (concurrent"),
     ("consumer: Celery request from message", "task_message_handler ("),

@@ -1,0 +1,110 @@
+"""The two steps of a sample's path that a worker's tasks take together.
+
+Before the request: the prompt read and the admission. After it: the charge and the
+store. Each task that reaches a step joins the others waiting there (``GroupCall``) and
+one of them does the step for all: one SELECT and one pipelined round of ADMIT scripts,
+then one pipelined round of CHARGE scripts and one commit. The scripts still run one by
+one, in order, each atomically, so the ledger decides exactly what it would for the same
+calls made singly; what the group saves is the round trips, and the thread hand-offs
+each blocking call costs a process of many threads.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from sqlalchemy import exc as sa_exc
+
+from common.ledger import Admission, AdmitArgs, Charge, ChargeArgs, ChargeResult
+from common.sglang_client import Completion
+from common.store import DatasetRow, PromptRow
+from workers.results import commit_rows
+
+if TYPE_CHECKING:
+    from workers.context import WorkerContext
+
+# Expected output of one request before a dataset has any result (admission estimate).
+DEFAULT_EXPECTED_TOKENS = 2048
+
+AdmitItem = tuple[str, str, str]  # dataset, sample_id, rid
+Admitted = tuple[PromptRow | None, Admission | None]
+SettleItem = tuple[DatasetRow, str, Completion]  # dataset, sample_id, its completion
+
+
+@dataclass(frozen=True)
+class Settled:
+    """A sample's charge, and what became of its row."""
+
+    charge: ChargeResult
+    row: dict[str, Any] | None  # None: the charge refused the sample, nothing to store
+    inserted: bool = False
+    error: BaseException | None = None  # the store's error; the charge stands
+
+
+def admit_group(ctx: WorkerContext, items: list[AdmitItem]) -> list[Admitted]:
+    """Each item's prompt, and for a prompt still queued the ledger's admission."""
+    prompts = ctx.store.prompts([(dataset, sample_id) for dataset, sample_id, _ in items])
+    queued = [(i, AdmitArgs(p.dataset, rid, p.max_new_tokens, DEFAULT_EXPECTED_TOKENS))
+              for i, (p, (_, _, rid)) in enumerate(zip(prompts, items, strict=True))
+              if p is not None and p.state == "queued"]
+    admissions: list[Admission | None] = [None] * len(items)
+    for (i, _), admission in zip(queued, ctx.ledger.admit_many([a for _, a in queued]),
+                                 strict=True):
+        admissions[i] = admission
+    return list(zip(prompts, admissions, strict=True))
+
+
+def settle_group(ctx: WorkerContext, items: list[SettleItem]) -> list[Settled]:
+    """Charge every sample, then store in one commit what each charge allows."""
+    charges = ctx.ledger.charge_many([
+        ChargeArgs(ds.name, sample_id, c.rid, c.prompt_tokens, c.completion_tokens)
+        for ds, sample_id, c in items])
+    rows: dict[int, dict[str, Any]] = {}
+    failed: dict[int, Exception] = {}
+    for i, ((ds, sample_id, c), charge) in enumerate(zip(items, charges, strict=True)):
+        if charge.status is not Charge.REFUSED:
+            try:
+                rows[i] = result_row(ctx, ds, sample_id, c, charge)
+            except Exception as exc:  # this sample's own fault: the others are stored
+                failed[i] = exc
+    try:
+        stored = dict(zip(rows, commit_rows(ctx.store, list(rows.values())), strict=True))
+    except (sa_exc.OperationalError, sa_exc.InterfaceError) as exc:
+        stored = dict.fromkeys(rows, exc)  # each task waits the database out for its row
+    settled = []
+    for i, charge in enumerate(charges):
+        outcome = stored.get(i, failed.get(i))
+        row = rows.get(i)
+        if isinstance(outcome, BaseException):
+            settled.append(Settled(charge, row, error=outcome))
+        else:
+            settled.append(Settled(charge, row, inserted=bool(outcome)))
+    return settled
+
+
+def result_row(
+    ctx: WorkerContext, ds: DatasetRow, sample_id: str, c: Completion, charge: ChargeResult
+) -> dict[str, Any]:
+    ids, text, finish = c.output_ids, c.text, c.finish_type
+    if charge.status is Charge.CHARGED and charge.kept_completion_tokens < c.completion_tokens:
+        ids = ids[: charge.kept_completion_tokens]
+        decode = ctx.decoder(ds.tokenizer)
+        text = decode(ids) if decode else ""
+        finish = "budget"
+    return {
+        "dataset": ds.name,
+        "sample_id": sample_id,
+        "rid": c.rid,
+        "prompt_tokens": c.prompt_tokens,
+        "completion_tokens": len(ids),
+        "cached_tokens": c.cached_tokens,
+        "reasoning_tokens": min(c.reasoning_tokens, len(ids)),
+        "finish_reason": finish,
+        "finish_detail": c.finish_detail,
+        "output_ids": ids,
+        "output_text": text,
+        "e2e_latency_s": c.e2e_latency_s,
+        "server": c.server,
+        "model": ctx.client.model(c.server),
+    }
