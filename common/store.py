@@ -16,6 +16,7 @@ from common.budget import Budget
 from common.db import insert_ignore, make_engine
 from common.errors import UnknownDatasetError
 from common.schema import datasets, prompts, results, utcnow
+from common.tokenids import unpack
 
 
 @dataclass(frozen=True)
@@ -81,17 +82,6 @@ def _cost(budget: Budget) -> sa.ColumnElement[int]:
 
 
 # The worker's per-sample statements, built once with bind parameters.
-_PROMPTS_BY_KEYS = sa.select(
-    prompts.c.sample_id,
-    prompts.c.state,
-    prompts.c.input_ids,
-    prompts.c.prompt_tokens,
-    prompts.c.max_new_tokens,
-    prompts.c.attempts,
-).where(
-    prompts.c.dataset == sa.bindparam("p_dataset"),
-    prompts.c.sample_id.in_(sa.bindparam("p_sample_ids", expanding=True)),
-)
 # The group commit's statements are written for the driver directly: SQLAlchemy's
 # per-row parameter handling of a 15-column INSERT cost more CPU than the database did.
 _RESULT_COLUMNS = (
@@ -151,25 +141,35 @@ def _results_insert(dialect: sa.Dialect, columns: tuple[str, ...],
 
 
 @functools.cache
+def _by_keys(dialect: sa.Dialect, n: int) -> str:
+    """A WHERE for n (dataset, sample_id) keys of prompts. Written as ORs: both databases
+    look each one up in the primary key that way, whereas SQLite scans the whole index for
+    a row-value IN."""
+    ph = _placeholder(dialect)
+    return " OR ".join([f"(dataset = {ph} AND sample_id = {ph})"] * n)
+
+
+@functools.cache
+def _prompts_select_sql(dialect: sa.Dialect, n: int) -> str:
+    return ("SELECT dataset, sample_id, state, input_ids, prompt_tokens, max_new_tokens, "
+            f"attempts FROM prompts WHERE {_by_keys(dialect, n)}")
+
+
+@functools.cache
 def _mark_done_sql(dialect: sa.Dialect, n: int) -> str:
     ph = _placeholder(dialect)
-    return (
-        f"UPDATE prompts SET state = 'done', error = NULL, updated_at = {ph} "
-        f"WHERE dataset = {ph} AND sample_id IN ({', '.join([ph] * n)})"
-    )
+    return (f"UPDATE prompts SET state = 'done', error = NULL, updated_at = {ph} "
+            f"WHERE {_by_keys(dialect, n)}")
 
 
 def _marks_done(
     dialect: sa.Dialect, rows: Sequence[dict[str, Any]], now: datetime
-) -> list[Statement]:
-    """One UPDATE per dataset of the group."""
+) -> Statement:
+    """One UPDATE for the group, whatever datasets its rows belong to."""
     (stamp,) = _encoders(dialect, "prompts", ("updated_at",))
     when = stamp(now) if stamp else now
-    by_dataset: dict[str, list[str]] = {}
-    for row in rows:
-        by_dataset.setdefault(row["dataset"], []).append(row["sample_id"])
-    return [(_mark_done_sql(dialect, len(ids)), (when, ds, *ids))
-            for ds, ids in by_dataset.items()]
+    keys = [v for row in rows for v in (row["dataset"], row["sample_id"])]
+    return _mark_done_sql(dialect, len(rows)), (when, *keys)
 
 
 @functools.lru_cache(maxsize=32)  # keyed by engine dialect: one entry per Store in practice
@@ -332,16 +332,16 @@ class Store:
         return self.prompts([(dataset, sample_id)])[0]
 
     def prompts(self, keys: Sequence[tuple[str, str]]) -> list[PromptRow | None]:
-        """The prompts of (dataset, sample_id) keys, in order; None where there is none."""
-        by_dataset: dict[str, list[str]] = {}
-        for dataset, sample_id in keys:
-            by_dataset.setdefault(dataset, []).append(sample_id)
-        found: dict[tuple[str, str], PromptRow] = {}
+        """The prompts of (dataset, sample_id) keys, in order; None where there is none.
+        One SELECT for all of them, whatever their datasets."""
+        if not keys:
+            return []
+        unique = list(dict.fromkeys(keys))
+        sql = _prompts_select_sql(self.engine.dialect, len(unique))
         with self._reads.connect() as conn:
-            for dataset, sample_ids in by_dataset.items():
-                params = {"p_dataset": dataset, "p_sample_ids": sample_ids}
-                for r in conn.execute(_PROMPTS_BY_KEYS, params):
-                    found[dataset, r[0]] = PromptRow(dataset, r[0], r[1], r[2], r[3], r[4], r[5])
+            rows = conn.exec_driver_sql(sql, tuple(v for key in unique for v in key)).all()
+        found = {(r[0], r[1]): PromptRow(r[0], r[1], r[2], unpack(bytes(r[3])), r[4], r[5], r[6])
+                 for r in rows}
         return [found.get(key) for key in keys]
 
     def record_attempt(self, dataset: str, sample_id: str, error: str, count: bool = True) -> int:
@@ -391,8 +391,7 @@ class Store:
             inserted: set[tuple[str, str]] = set()
             for statement in _results_inserts(dialect, rows, now):
                 inserted.update((d, sid) for d, sid in conn.exec_driver_sql(*statement))
-            for statement in _marks_done(dialect, rows, now):
-                conn.exec_driver_sql(*statement)
+            conn.exec_driver_sql(*_marks_done(dialect, rows, now))
         return inserted
 
     def has_result(self, dataset: str, sample_id: str) -> bool:
