@@ -125,12 +125,14 @@ def dump_payloads(settings: Settings, out: Path) -> list[str]:
     for name in names:
         ds = store.dataset(name)
         sampling = {k: v for k, v in ds.sampling.items() if k != "max_new_tokens"}
-        for sid in store.sample_ids(name, "queued"):
-            p = store.prompt(name, sid)
-            assert p is not None
-            payloads[f"{name}/{sid}"] = {"input_ids": p.input_ids,
-                                         "sampling": {**sampling, "max_new_tokens":
-                                                      p.max_new_tokens}}
+        sids = store.sample_ids(name, "queued")
+        for start in range(0, len(sids), 64):  # the worker's group size: one SELECT each
+            keys = [(name, sid) for sid in sids[start:start + 64]]
+            for p in store.prompts(keys):
+                assert p is not None
+                payloads[f"{name}/{p.sample_id}"] = {
+                    "input_ids": p.input_ids,
+                    "sampling": {**sampling, "max_new_tokens": p.max_new_tokens}}
     store.engine.dispose()
     out.write_text(json.dumps(payloads))
     return [queue_name(n) for n in names]
