@@ -7,6 +7,8 @@ import json
 import os
 import subprocess
 import sys
+import threading
+import time
 import uuid
 from pathlib import Path
 
@@ -14,7 +16,7 @@ import redis
 import sqlalchemy as sa
 
 from ops.bench.__main__ import commands, parse
-from ops.bench.harness import _create_database
+from ops.bench.harness import _create_database, context_switches
 from ops.bench.summary import headline
 from tests.conftest import POSTGRES_URL, REDIS_URL, ROOT
 
@@ -76,6 +78,27 @@ def test_the_bench_database_is_created_on_a_server_that_lacks_it() -> None:
         admin.dispose()
 
 
+def test_context_switches_count_every_thread_of_the_process() -> None:
+    """A second thread's blocking calls show in the process's count, not only the main
+    thread's (/proc/PID/status alone would miss them)."""
+    napped, release = threading.Event(), threading.Event()
+
+    def nap() -> None:
+        for _ in range(20):
+            time.sleep(0.002)  # each sleep blocks the thread: a voluntary switch
+        napped.set()
+        release.wait()  # stay alive, so the count still holds this thread's switches
+
+    before = context_switches(os.getpid())
+    t = threading.Thread(target=nap)
+    t.start()
+    napped.wait()
+    after = context_switches(os.getpid())
+    release.set()
+    t.join()
+    assert after - before >= 20
+
+
 def test_make_bench_runs_end_to_end_at_quick_scale(tmp_path: Path,
                                                    redis_client: redis.Redis) -> None:
     """The guard and overhead benchmarks, quick, on the test services: the harness starts the
@@ -91,6 +114,9 @@ def test_make_bench_runs_end_to_end_at_quick_scale(tmp_path: Path,
     results = json.loads(out.read_text())["results"]
     for kind in ("sqlite", "postgresql", "bare", "bare-sglang"):
         assert results["overhead"][kind]["rate"]["median"] > 0, kind
+        # Every task blocks at least on its HTTP answer: a worker that made no switch
+        # would mean the count reads the wrong process or threads.
+        assert results["overhead"][kind]["worker_switches_per_task"]["median"] >= 1, kind
     assert results["overhead"]["sqlite"]["ratio_to_bare_sglang_client"]["n"] == 2
     assert any("crossing" in case for case in results["guard"]["cases"])
     assert "not run" not in done.stdout and "failed" not in done.stdout

@@ -246,6 +246,23 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / CLK_TCK
 
 
+def context_switches(pid: int) -> int:
+    """Voluntary + involuntary context switches of a process's live threads so far.
+
+    Each is a thread that blocked (I/O, a lock, the GIL) or was preempted: in a worker of
+    many threads, the count per task measures the hand-offs a task's path costs.
+    """
+    total = 0
+    for status in Path(f"/proc/{pid}/task").glob("*/status"):
+        try:
+            lines = status.read_text().splitlines()
+        except OSError:  # the thread ended while we read
+            continue
+        total += sum(int(line.split()[1]) for line in lines
+                     if line.startswith(("voluntary_ctxt", "nonvoluntary_ctxt")))
+    return total
+
+
 def rss_mb(pid: int) -> float:
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
         if line.startswith("VmRSS:"):

@@ -25,6 +25,7 @@ from common.store import Store
 from ops.bench.harness import (
     WORKDIR,
     Processes,
+    context_switches,
     cpu_seconds,
     sim_completed,
     sim_requests,
@@ -43,6 +44,7 @@ class Leg:
     tokens: int = 0
     window_s: float = 0.0
     cpu_s: dict[str, float] = field(default_factory=dict)
+    switches: dict[str, int] = field(default_factory=dict)
     extra: dict[str, Any] = field(default_factory=dict)
 
     @property
@@ -55,6 +57,9 @@ class Leg:
 
     def cpu_ms_per_task(self, who: str) -> float:
         return 1000.0 * self.cpu_s.get(who, 0.0) / max(1, self.completions)
+
+    def switches_per_task(self, who: str) -> float:
+        return self.switches.get(who, 0) / max(1, self.completions)
 
 
 def busy_window(entries: list[dict[str, Any]], leg: Leg) -> Leg:
@@ -69,20 +74,30 @@ def busy_window(entries: list[dict[str, Any]], leg: Leg) -> Leg:
     return leg
 
 
-def watch(sim_url: str, expected: int, pids: dict[str, int], timeout_s: float) -> dict[str, float]:
-    """Wait for ``expected`` finished requests; CPU seconds of ``pids`` in between."""
+Usage = tuple[dict[str, float], dict[str, int]]  # CPU seconds, context switches
+
+
+def watch(sim_url: str, expected: int, pids: dict[str, int], timeout_s: float) -> Usage:
+    """Wait for ``expected`` finished requests; what ``pids`` used in between."""
     deadline = time.monotonic() + timeout_s
-    start: dict[str, float] | None = None
+    start: Usage | None = None
     done = 0
     while time.monotonic() < deadline:
         done = sim_completed(sim_url)
         if start is None and done >= 1:
-            start = {k: cpu_seconds(p) for k, p in pids.items()}
+            start = _usage(pids)
         if done >= expected:
-            end = {k: cpu_seconds(p) for k, p in pids.items()}
-            return {k: end[k] - (start or end)[k] for k in pids}
+            end = _usage(pids)
+            first = start or end
+            return ({k: end[0][k] - first[0][k] for k in pids},
+                    {k: end[1][k] - first[1][k] for k in pids})
         time.sleep(0.1)
     raise TimeoutError(f"only {done} of {expected} requests finished in {timeout_s:.0f}s")
+
+
+def _usage(pids: dict[str, int]) -> Usage:
+    return ({k: cpu_seconds(p) for k, p in pids.items()},
+            {k: context_switches(p) for k, p in pids.items()})
 
 
 def settled(store: Store) -> bool:
@@ -103,7 +118,7 @@ def pipeline_leg(procs: Processes, label: str, settings: Settings, sim: tuple[st
         if on_start:
             on_start(started)
         pids = {"sim": sim_pid, **{f"worker{k}": p.pid for k, p in enumerate(started)}}
-        cpu = watch(sim_url, expected, pids, timeout_s)
+        cpu, switches = watch(sim_url, expected, pids, timeout_s)
         store = Store(settings.database_url)
         ok = wait_until(lambda: settled(store), 60, 0.5)
         store.engine.dispose()
@@ -112,8 +127,9 @@ def pipeline_leg(procs: Processes, label: str, settings: Settings, sim: tuple[st
     finally:
         for proc in started:
             procs.stop(proc)
-    leg = busy_window(sim_requests(sim_url), Leg(label, cpu_s=cpu))
+    leg = busy_window(sim_requests(sim_url), Leg(label, cpu_s=cpu, switches=switches))
     leg.cpu_s["workers"] = sum(v for k, v in cpu.items() if k.startswith("worker"))
+    leg.switches["workers"] = sum(v for k, v in switches.items() if k.startswith("worker"))
     return leg
 
 
@@ -156,9 +172,11 @@ def bare_celery_leg(procs: Processes, label: str, settings: Settings, sim: tuple
     try:
         if on_start:
             on_start([proc])
-        cpu = watch(sim_url, expected, {"sim": sim_pid, "worker0": proc.pid}, timeout_s)
+        cpu, switches = watch(sim_url, expected, {"sim": sim_pid, "worker0": proc.pid},
+                              timeout_s)
     finally:
         procs.stop(proc)
-    leg = busy_window(sim_requests(sim_url), Leg(label, cpu_s=cpu))
+    leg = busy_window(sim_requests(sim_url), Leg(label, cpu_s=cpu, switches=switches))
     leg.cpu_s["workers"] = cpu["worker0"]
+    leg.switches["workers"] = switches["worker0"]
     return leg
