@@ -3,8 +3,11 @@ its own item's result or error, and a failed batch never stranding a later calle
 
 from __future__ import annotations
 
+import logging
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
+from types import SimpleNamespace
 
 import pytest
 
@@ -100,3 +103,36 @@ def test_a_base_exception_reaches_the_leader_and_the_waiters() -> None:
         t.join(10)
     # The leader's batch raised Gate; the followers' own batch (after it) raised it too.
     assert outcomes == ["gate"] * 4
+
+
+def test_leaders_time_is_counted_as_wall_clock_and_as_cpu() -> None:
+    """The worker reports both: CPU is the leading thread's own, so time it spends
+    blocked (a slow database) shows in the wall clock and not in the CPU."""
+
+    def batch(items: list[int]) -> list[int]:
+        end = time.thread_time() + 0.02
+        while time.thread_time() < end:  # 20 ms of this thread's CPU
+            pass
+        time.sleep(0.05)  # blocked: wall clock only
+        return items
+
+    group: GroupCall[int, int] = GroupCall(batch, max_group=4, linger_s=0)
+    assert group(1) == 1
+    assert group.serve_cpu_s >= 0.02
+    assert group.serve_s - group.serve_cpu_s >= 0.04
+
+
+def test_a_stopping_worker_reports_each_steps_groups_and_leaders_time(
+        caplog: pytest.LogCaptureFixture) -> None:
+    from workers.app import _report_groups
+
+    admissions: GroupCall[int, int] = GroupCall(lambda items: items, max_group=4, linger_s=0)
+    settlements: GroupCall[int, int] = GroupCall(lambda items: items, max_group=4, linger_s=0)
+    for i in range(3):
+        admissions(i)
+    context = SimpleNamespace(admissions=admissions, settlements=settlements)
+    with caplog.at_level(logging.INFO, logger="datagen.worker"):
+        _report_groups(sender=SimpleNamespace(app=SimpleNamespace(datagen_context=context)))
+    lines = [r.getMessage() for r in caplog.records if "shared steps" in r.getMessage()]
+    assert lines[0].startswith("shared steps: 3 admissions in 3 groups; a group's leader: ")
+    assert lines[1].startswith("shared steps: 0 settlements in 0 groups")

@@ -89,9 +89,11 @@ def _stop_heartbeat(sender: Any = None, **_: Any) -> None:
 def _report_groups(sender: Any = None, **_: Any) -> None:
     ctx = getattr(getattr(sender, "app", None), "datagen_context", None)
     if ctx is not None:
-        log.info("shared steps: %d admissions in %d groups, %d settlements in %d",
-                 ctx.admissions.items, ctx.admissions.batches, ctx.settlements.items,
-                 ctx.settlements.batches)
+        for step, group in (("admissions", ctx.admissions), ("settlements", ctx.settlements)):
+            n = max(1, group.batches)
+            log.info("shared steps: %d %s in %d groups; a group's leader: %.2f ms, "
+                     "%.2f ms of CPU", group.items, step, group.batches,
+                     1000 * group.serve_s / n, 1000 * group.serve_cpu_s / n)
 
 
 @signals.task_received.connect
