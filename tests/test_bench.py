@@ -12,11 +12,19 @@ import time
 import uuid
 from pathlib import Path
 
+import pytest
 import redis
 import sqlalchemy as sa
 
 from ops.bench.__main__ import commands, parse
-from ops.bench.harness import _create_database, context_switches
+from ops.bench.harness import (
+    BUNDLED_TOKENIZER,
+    Processes,
+    _create_database,
+    context_switches,
+    free_port,
+)
+from ops.bench.runs import watch
 from ops.bench.summary import headline
 from tests.conftest import POSTGRES_URL, REDIS_URL, ROOT
 
@@ -97,6 +105,34 @@ def test_context_switches_count_every_thread_of_the_process() -> None:
     release.set()
     t.join()
     assert after - before >= 20
+
+
+def test_a_leg_that_stops_progressing_fails_fast_naming_the_cause(tmp_path: Path) -> None:
+    """A leg whose server finishes nothing (workers failing every task) or whose process
+    died fails within seconds, not at the leg's full timeout."""
+    port = free_port()
+    with Processes() as procs:
+        sim = procs.start([sys.executable, "-m", "ops.cli", "sim", "--host", "127.0.0.1",
+                           "--port", str(port), "--tokenizer", str(BUNDLED_TOKENIZER)],
+                          log=tmp_path / "sim.log")
+        url = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                watch(url, 1, {}, timeout_s=0.1)
+            except TimeoutError:
+                break  # answering (nothing finished, as expected)
+            except OSError:
+                assert time.monotonic() < deadline, "the simulator did not start"
+                time.sleep(0.2)
+        t0 = time.monotonic()
+        with pytest.raises(TimeoutError, match="no request finished for 1s"):
+            watch(url, 5, {"sim": sim.pid}, timeout_s=60, stall_s=1)
+        assert time.monotonic() - t0 < 30
+        done = subprocess.Popen([sys.executable, "-c", "pass"])
+        done.wait()
+        with pytest.raises(RuntimeError, match="gone exited after 0 of 5 requests"):
+            watch(url, 5, {"sim": sim.pid, "gone": done.pid}, timeout_s=60)
 
 
 def test_make_bench_runs_end_to_end_at_quick_scale(tmp_path: Path,

@@ -246,6 +246,15 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / CLK_TCK
 
 
+def running(pid: int) -> bool:
+    """The process exists and has not exited (an unreaped child is a zombie, state Z)."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
 def context_switches(pid: int) -> int:
     """Voluntary + involuntary context switches of a process's live threads so far.
 

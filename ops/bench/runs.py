@@ -27,6 +27,7 @@ from ops.bench.harness import (
     Processes,
     context_switches,
     cpu_seconds,
+    running,
     sim_completed,
     sim_requests,
     sim_reset,
@@ -75,13 +76,17 @@ def busy_window(entries: list[dict[str, Any]], leg: Leg) -> Leg:
 
 
 Usage = tuple[dict[str, float], dict[str, int]]  # CPU seconds, context switches
+# A leg whose server has finished nothing for this long is stuck (workers failing every
+# task, a broken baseline checkout): it fails with that, instead of at its full timeout.
+STALL_S = 60.0
 
 
-def watch(sim_url: str, expected: int, pids: dict[str, int], timeout_s: float) -> Usage:
+def watch(sim_url: str, expected: int, pids: dict[str, int], timeout_s: float,
+          stall_s: float = STALL_S) -> Usage:
     """Wait for ``expected`` finished requests; what ``pids`` used in between."""
     deadline = time.monotonic() + timeout_s
     start: Usage | None = None
-    done = 0
+    done, last, moved = 0, -1, time.monotonic()
     while time.monotonic() < deadline:
         done = sim_completed(sim_url)
         if start is None and done >= 1:
@@ -91,6 +96,15 @@ def watch(sim_url: str, expected: int, pids: dict[str, int], timeout_s: float) -
             first = start or end
             return ({k: end[0][k] - first[0][k] for k in pids},
                     {k: end[1][k] - first[1][k] for k in pids})
+        gone = [k for k, pid in pids.items() if not running(pid)]
+        if gone:
+            raise RuntimeError(f"{', '.join(gone)} exited after {done} of {expected} requests; "
+                               f"see the logs in {WORKDIR}")
+        if done != last:
+            last, moved = done, time.monotonic()
+        elif time.monotonic() - moved > stall_s:
+            raise TimeoutError(f"no request finished for {stall_s:.0f}s ({done} of {expected}); "
+                               f"see the logs in {WORKDIR}")
         time.sleep(0.1)
     raise TimeoutError(f"only {done} of {expected} requests finished in {timeout_s:.0f}s")
 
