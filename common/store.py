@@ -81,7 +81,6 @@ def _cost(budget: Budget) -> sa.ColumnElement[int]:
     return results.c.completion_tokens
 
 
-# The worker's per-sample statements, built once with bind parameters.
 # The group commit's statements are written for the driver directly: SQLAlchemy's
 # per-row parameter handling of a 15-column INSERT cost more CPU than the database did.
 _RESULT_COLUMNS = (

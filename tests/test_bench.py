@@ -20,9 +20,11 @@ from ops.bench.__main__ import commands, parse
 from ops.bench.harness import (
     BUNDLED_TOKENIZER,
     Processes,
+    _answers,
     _create_database,
     context_switches,
     free_port,
+    wait_until,
 )
 from ops.bench.runs import watch
 from ops.bench.summary import headline
@@ -116,15 +118,7 @@ def test_a_leg_that_stops_progressing_fails_fast_naming_the_cause(tmp_path: Path
                            "--port", str(port), "--tokenizer", str(BUNDLED_TOKENIZER)],
                           log=tmp_path / "sim.log")
         url = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + 30
-        while True:
-            try:
-                watch(url, 1, {}, timeout_s=0.1)
-            except TimeoutError:
-                break  # answering (nothing finished, as expected)
-            except OSError:
-                assert time.monotonic() < deadline, "the simulator did not start"
-                time.sleep(0.2)
+        assert wait_until(lambda: _answers(url), 30), "the simulator did not start"
         t0 = time.monotonic()
         with pytest.raises(TimeoutError, match="no request finished for 1s"):
             watch(url, 5, {"sim": sim.pid}, timeout_s=60, stall_s=1)

@@ -237,22 +237,25 @@ def clean_workdir() -> None:
 
 # -- process accounting ----------------------------------------------------------------------
 
+def _stat(pid: int) -> list[str] | None:
+    """The fields of /proc/PID/stat after the command name (which may hold spaces); None
+    once the process is gone."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+
+
 def cpu_seconds(pid: int) -> float:
     """User + system CPU of a process (all its threads) so far."""
-    try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    except OSError:
-        return 0.0
-    return (int(fields[11]) + int(fields[12])) / CLK_TCK
+    fields = _stat(pid)
+    return (int(fields[11]) + int(fields[12])) / CLK_TCK if fields else 0.0
 
 
 def running(pid: int) -> bool:
     """The process exists and has not exited (an unreaped child is a zombie, state Z)."""
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except OSError:
-        return False
-    return state != "Z"
+    fields = _stat(pid)
+    return fields is not None and fields[0] != "Z"
 
 
 def context_switches(pid: int) -> int:

@@ -114,6 +114,16 @@ def _usage(pids: dict[str, int]) -> Usage:
             {k: context_switches(p) for k, p in pids.items()})
 
 
+def measured_leg(label: str, sim_url: str, cpu: dict[str, float],
+                 switches: dict[str, int]) -> Leg:
+    """The leg as the server's log and ``watch`` saw it, with every ``worker*`` process
+    summed under "workers"."""
+    leg = busy_window(sim_requests(sim_url), Leg(label, cpu_s=cpu, switches=switches))
+    leg.cpu_s["workers"] = sum(v for k, v in cpu.items() if k.startswith("worker"))
+    leg.switches["workers"] = sum(v for k, v in switches.items() if k.startswith("worker"))
+    return leg
+
+
 def settled(store: Store) -> bool:
     q = sa.select(sa.func.count()).where(prompts.c.state == "queued")
     with store.engine.connect() as conn:
@@ -141,10 +151,7 @@ def pipeline_leg(procs: Processes, label: str, settings: Settings, sim: tuple[st
     finally:
         for proc in started:
             procs.stop(proc)
-    leg = busy_window(sim_requests(sim_url), Leg(label, cpu_s=cpu, switches=switches))
-    leg.cpu_s["workers"] = sum(v for k, v in cpu.items() if k.startswith("worker"))
-    leg.switches["workers"] = sum(v for k, v in switches.items() if k.startswith("worker"))
-    return leg
+    return measured_leg(label, sim_url, cpu, switches)
 
 
 def dump_payloads(settings: Settings, out: Path) -> list[str]:
@@ -190,7 +197,4 @@ def bare_celery_leg(procs: Processes, label: str, settings: Settings, sim: tuple
                               timeout_s)
     finally:
         procs.stop(proc)
-    leg = busy_window(sim_requests(sim_url), Leg(label, cpu_s=cpu, switches=switches))
-    leg.cpu_s["workers"] = cpu["worker0"]
-    leg.switches["workers"] = switches["worker0"]
-    return leg
+    return measured_leg(label, sim_url, cpu, switches)
