@@ -52,6 +52,20 @@ def test_concurrent_samples_share_steps_and_each_is_counted_once(
     assert_invariants(store, ledger, ["shared"])
 
 
+def test_a_group_of_every_task_the_worker_runs_does_not_wait_for_more(
+    settings: Settings, store: Store, tmp_path: Path
+) -> None:
+    # Four threads in a worker of concurrency 4: once all four have joined a step, nobody
+    # else can, so its leader goes on at once instead of waiting out its linger.
+    ctx = context_for(settings.replace(concurrency=4), tmp_path, "full", 4)
+    ctx.admissions.linger_s = ctx.settlements.linger_s = 30.0
+    with ThreadPoolExecutor(4) as pool:
+        futures = [pool.submit(run_sample, ctx, "full", f"full-{i}") for i in range(4)]
+        assert [f.result(timeout=15) for f in futures] == [Outcome.DONE] * 4
+    assert (ctx.admissions.batches, ctx.settlements.batches) == (1, 1)
+    assert store.prompt_counts("full") == {"done": 4}
+
+
 def test_a_database_outage_at_the_commit_keeps_the_charge(
     settings: Settings, store: Store, ledger: Ledger, sim: str, tmp_path: Path,
     monkeypatch: pytest.MonkeyPatch) -> None:

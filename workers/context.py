@@ -46,10 +46,13 @@ class WorkerContext:
 
     def __post_init__(self) -> None:
         self.results = ResultWriter(self.store)
+        # A group can hold no more tasks than the worker runs at once: once all of them
+        # have joined, its leader stops waiting for company that cannot come.
+        most = max(1, min(MAX_GROUP, self.settings.concurrency))
         self.admissions = GroupCall(lambda items: steps.admit_group(self, items),
-                                    max_group=MAX_GROUP, linger_s=ADMIT_LINGER_S)
+                                    max_group=most, linger_s=ADMIT_LINGER_S)
         self.settlements = GroupCall(lambda items: steps.settle_group(self, items),
-                                     max_group=MAX_GROUP, linger_s=LINGER_S)
+                                     max_group=most, linger_s=LINGER_S)
 
     @classmethod
     def build(cls, settings: Settings, app: Celery | None = None) -> WorkerContext:
