@@ -9,6 +9,7 @@ from __future__ import annotations
 import fcntl
 import hashlib
 import os
+import platform
 import shutil
 import signal
 import subprocess
@@ -22,6 +23,7 @@ from typing import Any
 import redis
 import requests
 import sqlalchemy as sa
+from redis.utils import HIREDIS_AVAILABLE
 
 from common.db import sqlalchemy_url
 from common.schema import metadata
@@ -49,6 +51,8 @@ class Processes:
 
     def start(self, argv: Sequence[str], env: dict[str, str] | None = None,
               log: Path | None = None) -> subprocess.Popen[bytes]:
+        if log:
+            log.parent.mkdir(parents=True, exist_ok=True)
         out = open(log, "ab") if log else subprocess.DEVNULL  # noqa: SIM115
         try:
             proc = subprocess.Popen(list(argv), env={**os.environ, **(env or {})}, cwd=ROOT,
@@ -289,5 +293,8 @@ def machine() -> dict[str, Any]:
             model = line.split(":", 1)[1].strip()
             break
     mem_kb = int(Path("/proc/meminfo").read_text().split()[1])
+    # redis-py parses replies in C with hiredis and in Python without: a worker's CPU per
+    # task differs by about a fifth, so a result says which it had.
     return {"nproc": os.cpu_count(), "cpu": model, "ram_gb": round(mem_kb / 1024**2, 1),
-            "loadavg": os.getloadavg()[0]}
+            "loadavg": os.getloadavg()[0], "python": platform.python_version(),
+            "hiredis": HIREDIS_AVAILABLE}

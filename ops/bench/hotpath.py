@@ -1,13 +1,14 @@
-"""The worker's per-task steps in isolation, each next to a candidate fix (µs per call).
+"""The worker's per-task steps in isolation, one at a time and grouped (µs per call).
 
 Single thread, sequential calls, same data, side by side:
   * the /generate call: a ``requests`` session (``trust_env`` on: proxy and netrc lookups
     in os.environ on every request; and off) vs ``SGLangClient.generate`` (one kept-alive
     plain-HTTP connection per thread, minimal response parsing);
-  * ``Store.prompt`` and ``Store.save_result`` vs the same SQL as statements built once
-    with bind parameters, and ``Store.save_results`` committing 8 rows at a time (the
-    worker's group commit), per row;
-  * the ledger round trips of a task (``admit`` + ``charge``);
+  * a prompt read and a result's store one at a time (``Store.prompt``,
+    ``Store.save_result``) vs 8 at a time as the worker's groups do (``Store.prompts``,
+    ``Store.save_results``), per prompt;
+  * the ledger's scripts of a task (``admit`` + ``charge``), one at a time vs 8 in one
+    pipelined round each (``admit_many``, ``charge_many``), per task;
   * a connection pool under 64 threads: SQLAlchemy's default for SQLite vs 64 slots.
 
     python -m ops.bench.hotpath [--quick]
@@ -26,14 +27,15 @@ import requests
 import sqlalchemy as sa
 
 from common.budget import Budget
-from common.db import insert_ignore
-from common.ledger import Ledger
-from common.schema import prompts, results, utcnow
+from common.ledger import AdmitArgs, ChargeArgs, Ledger
 from common.sglang_client import SGLangClient
 from common.store import Store
 from ops.bench.harness import Processes, bench_settings, fresh_db, fresh_redis, start_sim
 from ops.bench.report import Summary, emit, table
 from ops.bench.synth import enqueue, prompt_files
+
+# Items per group in the grouped cases: about what a worker's groups hold at full rate.
+GROUP = 8
 
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
@@ -80,21 +82,6 @@ def http_cases(url: str, payloads: list[dict[str, Any]]) -> dict[str, Callable[[
 
 
 def sql_cases(store: Store, keys: list[tuple[str, str]]) -> dict[str, Callable[[int], Any]]:
-    d: sa.BindParameter[str] = sa.bindparam("d")
-    s: sa.BindParameter[str] = sa.bindparam("s")
-    select_q = sa.select(prompts.c.state, prompts.c.input_ids, prompts.c.prompt_tokens,
-                         prompts.c.max_new_tokens, prompts.c.attempts).where(
-        prompts.c.dataset == d, prompts.c.sample_id == s)
-    insert_q = insert_ignore(store.engine, results).returning(results.c.id)
-    update_q = prompts.update().where(prompts.c.dataset == sa.bindparam("b_ds"),
-                                      prompts.c.sample_id == sa.bindparam("b_sid")) \
-        .values(state="done", error=None, updated_at=sa.bindparam("b_now"))
-
-    def prebuilt_select(i: int) -> Any:
-        ds, sid = keys[i % len(keys)]
-        with store.engine.connect() as conn:
-            return conn.execute(select_q, {"d": ds, "s": sid}).first()
-
     def row(i: int, tag: str) -> dict[str, Any]:
         ds, sid = keys[i % len(keys)]
         return {"dataset": ds, "sample_id": f"{sid}-{tag}-{i}", "rid": uuid.uuid4().hex,
@@ -103,35 +90,38 @@ def sql_cases(store: Store, keys: list[tuple[str, str]]) -> dict[str, Callable[[
                 "output_ids": list(range(16)), "output_text": "t" * 60, "e2e_latency_s": 0.01,
                 "server": "http://127.0.0.1:9", "model": "sim"}
 
-    def prebuilt_save(i: int) -> Any:
-        r = row(i, "p")
-        with store.engine.begin() as conn:
-            n = len(conn.execute(insert_q, r).all())
-            conn.execute(update_q, {"b_ds": r["dataset"], "b_sid": r["sample_id"],
-                                    "b_now": utcnow()})
-        return n
-
     def grouped(i: int) -> Any:
-        if i % 8 == 0:
-            store.save_results([row(i + k, "g") for k in range(8)])
+        if i % GROUP == 0:
+            store.save_results([row(i + k, "g") for k in range(GROUP)])
 
     def group_read(i: int) -> Any:
-        if i % 8 == 0:
-            store.prompts([keys[(i + k) % len(keys)] for k in range(8)])
+        if i % GROUP == 0:
+            store.prompts([keys[(i + k) % len(keys)] for k in range(GROUP)])
 
-    return {"Store.prompt (as is)": lambda i: store.prompt(*keys[i % len(keys)]),
-            "SELECT prompt, statement built once": prebuilt_select,
-            "Store.prompts, 8 keys a SELECT (per prompt)": group_read,
-            "Store.save_result (as is)": lambda i: store.save_result(row(i, "a")),
-            "INSERT + UPDATE, statements built once": prebuilt_save,
-            "Store.save_results, 8 rows a commit (per row)": grouped}
+    return {"Store.prompt, one a SELECT": lambda i: store.prompt(*keys[i % len(keys)]),
+            f"Store.prompts, {GROUP} keys a SELECT (per prompt)": group_read,
+            "Store.save_result, one a commit": lambda i: store.save_result(row(i, "a")),
+            f"Store.save_results, {GROUP} rows a commit (per row)": grouped}
 
 
 def ledger_cases(ledger: Ledger) -> dict[str, Callable[[int], Any]]:
     ledger.configure("hotpath", Budget(10**12, "output", "drain"))
-    return {"Ledger.admit + Ledger.charge (2 Lua calls)": lambda i: (
-        ledger.admit("hotpath", f"r{i}", 1024, 2048),
-        ledger.charge("hotpath", f"s{i}", f"r{i}", 300, 16))}
+
+    def admit(i: int) -> AdmitArgs:
+        return AdmitArgs("hotpath", f"r{i}", 1024, 2048)
+
+    def charge(i: int, tag: str) -> ChargeArgs:
+        return ChargeArgs("hotpath", f"{tag}{i}", f"r{i}", 300, 16)
+
+    def grouped(i: int) -> Any:
+        if i % GROUP == 0:
+            ledger.admit_many([admit(i + k) for k in range(GROUP)])
+            ledger.charge_many([charge(i + k, "g") for k in range(GROUP)])
+
+    return {"Ledger.admit + Ledger.charge, one script a round trip": lambda i: (
+                ledger.admit("hotpath", f"r{i}", 1024, 2048),
+                ledger.charge("hotpath", f"s{i}", f"r{i}", 300, 16)),
+            f"Ledger.admit_many + charge_many, {GROUP} a round (per task)": grouped}
 
 
 def pool_rate(store: Store, keys: list[tuple[str, str]], threads: int = 64,
@@ -207,8 +197,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     fresh_redis()
     us = {k: Summary.of([w for w, _ in v]) for k, v in results_us.items()}
     cpu = {k: Summary.of([c for _, c in v]) for k, v in results_us.items()}
-    table(f"worker steps and fix candidates, {args.calls} sequential calls, {args.reps} reps "
-          "(µs per call, median [min-max])", ["case", "wall µs/call", "CPU µs/call (thread)"],
+    table(f"worker steps, one at a time and grouped, {args.calls} sequential calls, "
+          f"{args.reps} reps (µs per call, median [min-max])",
+          ["case", "wall µs/call", "CPU µs/call (thread)"],
           [(k, v.fmt(0), cpu[k].fmt(0)) for k, v in us.items()])
     pool = {k: Summary.of(v) for k, v in pools.items()}
     table("Store.prompt from 64 threads for 2 s (calls/s)", ["pool", "calls/s"],
