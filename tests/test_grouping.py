@@ -136,3 +136,22 @@ def test_a_stopping_worker_reports_each_steps_groups_and_leaders_time(
     lines = [r.getMessage() for r in caplog.records if "shared steps" in r.getMessage()]
     assert lines[0].startswith("shared steps: 3 admissions in 3 groups; a group's leader: ")
     assert lines[1].startswith("shared steps: 0 settlements in 0 groups")
+
+
+def test_a_leader_waits_for_company_only_while_calls_come_closer_than_its_linger() -> None:
+    group: GroupCall[int, int] = GroupCall(lambda items: items, max_group=8, linger_s=0.01)
+    for i in range(5):  # calls 50 ms apart, each gap counted as at most 4 lingers (40 ms)
+        group(i)
+        time.sleep(0.05)
+    assert group.gap_s == pytest.approx(0.04 * (1 - 0.8**4), rel=0.2)
+    assert group.gap_s > group.linger_s
+
+    # Sparse calls: a lone leader goes on at once instead of waiting out a 30 s linger.
+    group.linger_s, group.gap_s = 30.0, 1000.0
+    with ThreadPoolExecutor(1) as pool:
+        assert pool.submit(group, 7).result(timeout=10) == 7
+    # Dense calls: it waits its linger for company that may come.
+    group.linger_s, group.gap_s, group._last = 0.3, 0.0, None
+    started = time.monotonic()
+    assert group(8) == 8
+    assert time.monotonic() - started >= 0.3

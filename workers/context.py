@@ -24,9 +24,10 @@ from workers.results import LINGER_S, MAX_GROUP, ResultWriter
 log = logging.getLogger(__name__)
 DATASET_CACHE_S = 5.0
 Decoder = Callable[[Sequence[int]], str]
-# How long a task about to send its request waits for others to share its prompt read
-# and admission (workers/steps.py). Milliseconds are nothing next to a generation.
-ADMIT_LINGER_S = 0.01
+# Longest a task about to send its request waits for others to share its prompt read and
+# admission (workers/steps.py), and only while tasks start closer together than this
+# (workers/grouping.py); at a real server's pace it does not wait at all.
+ADMIT_LINGER_S = 0.02
 
 
 @dataclass

