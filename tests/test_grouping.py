@@ -151,7 +151,7 @@ def test_a_leader_waits_for_company_only_while_calls_come_closer_than_its_linger
     with ThreadPoolExecutor(1) as pool:
         assert pool.submit(group, 7).result(timeout=10) == 7
     # Dense calls: it waits its linger for company that may come.
-    group.linger_s, group.gap_s, group._last = 0.3, 0.0, None
+    group.linger_s, group.gap_s = 0.3, 0.0
     started = time.monotonic()
     assert group(8) == 8
     assert time.monotonic() - started >= 0.3
