@@ -18,6 +18,7 @@ from common.store import Store
 from tests.conftest import make_settings
 from tests.helpers import assert_invariants, enqueue_paths, running_worker, wait_settled
 from tests.test_pipeline_e2e import write_dataset
+from workers.context import get_context
 
 
 def sim_log(sim: str) -> list[dict]:
@@ -37,6 +38,18 @@ def test_same_message_delivered_twice_stores_and_counts_once(
     assert_invariants(store, ledger, ["twice"])
     assert store.prompt_counts("twice") == {"done": 3}
     assert used == store.used_tokens("twice", store.dataset("twice").budget)
+
+
+def test_the_shared_steps_are_sized_to_the_threads_the_worker_runs(
+    settings: Settings, store: Store, sim: str, tmp_path: Path
+) -> None:
+    # DATAGEN_CONCURRENCY says 64, the command line 4: the groups follow the pool.
+    enqueue_paths(settings, [str(write_dataset(tmp_path, "sized", 8))])
+    with running_worker(settings.replace(concurrency=64), concurrency=4) as app:
+        wait_settled(store, ["sized"])
+        ctx = get_context(app)
+        assert (ctx.admissions.max_group, ctx.settlements.max_group) == (4, 4)
+    assert store.prompt_counts("sized") == {"done": 8}
 
 
 def test_a_400_is_recorded_and_not_retried(

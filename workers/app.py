@@ -65,6 +65,12 @@ app = create_app(settings)
 @signals.worker_init.connect
 def _prepare_on_start(sender: Any = None, **_: Any) -> None:
     if _ours(getattr(sender, "app", None)):
+        threads = getattr(sender, "concurrency", None)
+        if isinstance(threads, int) and threads > 0:
+            # `-c N` wins over DATAGEN_CONCURRENCY: the shared steps' groups are sized to
+            # the threads this worker really runs (workers/context.py).
+            conf = sender.app.datagen_settings
+            sender.app.datagen_settings = conf.replace(concurrency=threads)
         prepare(sender.app)
 
 
