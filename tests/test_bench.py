@@ -150,3 +150,18 @@ def test_make_bench_runs_end_to_end_at_quick_scale(tmp_path: Path,
     assert results["overhead"]["sqlite"]["ratio_to_bare_sglang_client"]["n"] == 2
     assert any("crossing" in case for case in results["guard"]["cases"])
     assert "not run" not in done.stdout and "failed" not in done.stdout
+
+
+def test_a_benchmark_run_alone_makes_its_directory(tmp_path: Path) -> None:
+    """`python -m ops.bench.<name>` on a fresh machine: the simulator, usually the first
+    thing a benchmark starts, takes the bench directory and makes it for its log."""
+    workdir = tmp_path / "not-yet"
+    code = ("from ops.bench.harness import Processes, start_sim\n"
+            "with Processes() as procs:\n"
+            "    print(start_sim(procs, slots=4)[0])\n")
+    env = {**os.environ, "DATAGEN_BENCH_REDIS_URL": REDIS_URL, "DATAGEN_BENCH_DIR": str(workdir)}
+    done = subprocess.run([sys.executable, "-c", code], env=env, cwd=ROOT, capture_output=True,
+                          text=True, timeout=60)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.startswith("http://127.0.0.1:")
+    assert (workdir / "sim.log").stat().st_size > 0

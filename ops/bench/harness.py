@@ -51,8 +51,6 @@ class Processes:
 
     def start(self, argv: Sequence[str], env: dict[str, str] | None = None,
               log: Path | None = None) -> subprocess.Popen[bytes]:
-        if log:
-            log.parent.mkdir(parents=True, exist_ok=True)
         out = open(log, "ab") if log else subprocess.DEVNULL  # noqa: SIM115
         try:
             proc = subprocess.Popen(list(argv), env={**os.environ, **(env or {})}, cwd=ROOT,
@@ -108,7 +106,11 @@ def wait_until(pred: Callable[[], bool], timeout_s: float, interval_s: float = 0
 
 def start_sim(procs: Processes, *, slots: int = 48, decode: float = 0.0, mean_output: int = 300,
               extra: Sequence[str] = ()) -> tuple[str, subprocess.Popen[bytes]]:
-    """``datagen sim`` as its own process, with the bundled tokenizer; returns (url, proc)."""
+    """``datagen sim`` as its own process, with the bundled tokenizer; returns (url, proc).
+
+    Often a benchmark's first write to its directory: it takes the directory (and makes
+    it) here, before the simulator's log goes there."""
+    hold_locks()
     port = free_port()
     argv = [sys.executable, "-m", "ops.cli", "sim", "--host", "127.0.0.1", "--port", str(port),
             "--max-running-requests", str(slots), "--decode-tok-per-s", str(decode),

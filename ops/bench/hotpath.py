@@ -17,6 +17,7 @@ Single thread, sequential calls, same data, side by side:
 from __future__ import annotations
 
 import argparse
+import itertools
 import threading
 import time
 import uuid
@@ -82,9 +83,12 @@ def http_cases(url: str, payloads: list[dict[str, Any]]) -> dict[str, Callable[[
 
 
 def sql_cases(store: Store, keys: list[tuple[str, str]]) -> dict[str, Callable[[int], Any]]:
+    fresh = itertools.count()  # every rep stores new rows, never a duplicate one
+
     def row(i: int, tag: str) -> dict[str, Any]:
         ds, sid = keys[i % len(keys)]
-        return {"dataset": ds, "sample_id": f"{sid}-{tag}-{i}", "rid": uuid.uuid4().hex,
+        return {"dataset": ds, "sample_id": f"{sid}-{tag}-{next(fresh)}",
+                "rid": uuid.uuid4().hex,
                 "prompt_tokens": 300, "completion_tokens": 16, "cached_tokens": 0,
                 "reasoning_tokens": 0, "finish_reason": "stop", "finish_detail": {"type": "stop"},
                 "output_ids": list(range(16)), "output_text": "t" * 60, "e2e_latency_s": 0.01,
@@ -106,21 +110,26 @@ def sql_cases(store: Store, keys: list[tuple[str, str]]) -> dict[str, Callable[[
 
 def ledger_cases(ledger: Ledger) -> dict[str, Callable[[int], Any]]:
     ledger.configure("hotpath", Budget(10**12, "output", "drain"))
+    fresh = itertools.count()  # a new request and sample each call: never a duplicate charge
 
-    def admit(i: int) -> AdmitArgs:
-        return AdmitArgs("hotpath", f"r{i}", 1024, 2048)
+    def task() -> tuple[AdmitArgs, ChargeArgs]:
+        n = next(fresh)
+        return (AdmitArgs("hotpath", f"r{n}", 1024, 2048),
+                ChargeArgs("hotpath", f"s{n}", f"r{n}", 300, 16))
 
-    def charge(i: int, tag: str) -> ChargeArgs:
-        return ChargeArgs("hotpath", f"{tag}{i}", f"r{i}", 300, 16)
+    def single(_: int) -> Any:
+        admit, charge = task()
+        ledger.admit(admit.name, admit.rid, admit.max_new_tokens, admit.default_expected)
+        ledger.charge(charge.name, charge.sample_id, charge.rid, charge.prompt_tokens,
+                      charge.completion_tokens)
 
     def grouped(i: int) -> Any:
         if i % GROUP == 0:
-            ledger.admit_many([admit(i + k) for k in range(GROUP)])
-            ledger.charge_many([charge(i + k, "g") for k in range(GROUP)])
+            admits, charges = zip(*(task() for _ in range(GROUP)), strict=True)
+            ledger.admit_many(list(admits))
+            ledger.charge_many(list(charges))
 
-    return {"Ledger.admit + Ledger.charge, one script a round trip": lambda i: (
-                ledger.admit("hotpath", f"r{i}", 1024, 2048),
-                ledger.charge("hotpath", f"s{i}", f"r{i}", 300, 16)),
+    return {"Ledger.admit + Ledger.charge, one script a round trip": single,
             f"Ledger.admit_many + charge_many, {GROUP} a round (per task)": grouped}
 
 
