@@ -64,6 +64,11 @@ class DatasetKeys:
     def queue_lists(self) -> tuple[str, ...]:
         return tuple(_priority_list(self.queue, step) for step in KOMBU_PRIORITY_STEPS)
 
+    @property
+    def script_keys(self) -> list[str]:
+        """KEYS of the ledger's scripts, in the order common/ledger_scripts.py reads them."""
+        return [self.ledger, self.charged, self.inflight, *self.queue_lists]
+
 
 def dataset_keys(name: str) -> DatasetKeys:
     validate_dataset_name(name)

@@ -13,7 +13,7 @@ from redis.commands.core import Script
 
 from common import ledger_scripts as lua
 from common.budget import Budget
-from common.keys import DATASETS, DatasetKeys, dataset_keys
+from common.keys import DATASETS, dataset_keys
 from common.replies import text, texts
 
 
@@ -62,10 +62,6 @@ class LedgerState:
     used_at_close: int | None
 
 
-def _keys(ds: DatasetKeys) -> list[str]:
-    return [ds.ledger, ds.charged, ds.inflight, *ds.queue_lists]
-
-
 @dataclass(frozen=True)
 class AdmitArgs:
     name: str
@@ -96,6 +92,8 @@ class Ledger:
         self._charge = client.register_script(lua.CHARGE)
         self._recharge = client.register_script(lua.RECHARGE)
         self._admit = client.register_script(lua.ADMIT)
+        self._admit_many = client.register_script(lua.ADMIT_MANY)
+        self._charge_many = client.register_script(lua.CHARGE_MANY)
         self._release = client.register_script(lua.RELEASE)
         self._configure = client.register_script(lua.CONFIGURE)
         self._close = client.register_script(lua.CLOSE)
@@ -105,74 +103,69 @@ class Ledger:
     def configure(self, name: str, budget: Budget) -> CloseResult:
         self.redis.sadd(DATASETS, name)
         args: list[str | int | float] = [budget.tokens, budget.basis, budget.policy, time.time()]
-        closed_now, purged, _used = self._configure(keys=_keys(dataset_keys(name)), args=args)
+        closed_now, purged, _used = self._configure(keys=dataset_keys(name).script_keys, args=args)
         return CloseResult(bool(closed_now), int(purged))
 
     def admit(self, name: str, rid: str, max_new_tokens: int, default_expected: int) -> Admission:
-        keys = _keys(dataset_keys(name))
+        keys = dataset_keys(name).script_keys
         status, _expected = self._admit(keys=keys, args=[rid, max_new_tokens, default_expected])
         return Admission(int(status))
 
     def admit_many(self, asks: Sequence[AdmitArgs]) -> list[Admission]:
-        """``admit`` for each, in order, in one round trip (each script still on its own)."""
-        calls = [(_keys(dataset_keys(a.name)), [a.rid, a.max_new_tokens, a.default_expected])
-                 for a in asks]
-        return [Admission(int(status)) for status, _ in self._many(self._admit, calls)]
+        """``admit`` for each, in order, in one command (each call decided as if alone)."""
+        replies = self._batch(self._admit_many,
+                              [(a.name, (a.rid, a.max_new_tokens, a.default_expected))
+                               for a in asks])
+        return [Admission(int(status)) for status, _ in replies]
 
     def release(self, name: str, rid: str) -> None:
-        self._release(keys=_keys(dataset_keys(name)), args=[rid])
+        self._release(keys=dataset_keys(name).script_keys, args=[rid])
 
     def charge(
         self, name: str, sample_id: str, rid: str, prompt_tokens: int, completion_tokens: int
     ) -> ChargeResult:
         args: list[str | int | float] = [sample_id, rid, prompt_tokens, completion_tokens,
                                          time.time()]
-        return _charge_result(self._charge(keys=_keys(dataset_keys(name)), args=args))
+        return _charge_result(self._charge(keys=dataset_keys(name).script_keys, args=args))
 
     def charge_many(self, charges: Sequence[ChargeArgs]) -> list[ChargeResult]:
-        """``charge`` for each, in order, in one round trip: the same scripts run one after
-        another, so a batch decides exactly what the same charges one by one would."""
+        """``charge`` for each, in order, in one command: the batch decides exactly what
+        the same charges one by one would."""
         now = time.time()
-        calls = [(_keys(dataset_keys(c.name)),
-                  [c.sample_id, c.rid, c.prompt_tokens, c.completion_tokens, now])
-                 for c in charges]
-        return [_charge_result(reply) for reply in self._many(self._charge, calls)]
+        replies = self._batch(self._charge_many, [
+            (c.name, (c.sample_id, c.rid, c.prompt_tokens, c.completion_tokens, now))
+            for c in charges])
+        return [_charge_result(reply) for reply in replies]
 
-    def _many(self, script: Script, calls: Sequence[tuple[list[str], list[Any]]]) -> list[Any]:
+    @staticmethod
+    def _batch(script: Script, calls: Sequence[tuple[str, Sequence[Any]]]) -> list[Any]:
+        """Run a batched script (ledger_scripts.batched) over (dataset, arguments) calls."""
         if not calls:
             return []
-        # EVALSHA straight into a plain pipeline: passing the pipeline to the Script would
-        # add a SCRIPT EXISTS round trip to every batch.
-        for attempt in range(2):
-            pipe = self.redis.pipeline(transaction=False)
-            for keys, args in calls:
-                pipe.evalsha(script.sha, len(keys), *keys, *args)
-            replies = pipe.execute(raise_on_error=False)
-            missing = [r for r in replies if isinstance(r, redis.exceptions.NoScriptError)]
-            if not missing:
-                break
-            if len(missing) != len(replies) or attempt:
-                raise missing[0]
-            # Redis lost its script cache (a restart): none of them ran; load and run again.
-            script.sha = self.redis.script_load(script.script)
-        for reply in replies:
-            if isinstance(reply, Exception):
-                raise reply
-        return replies
+        keys: list[str] = []
+        position: dict[str, int] = {}
+        args: list[Any] = [len(calls[0][1])]
+        for name, call_args in calls:
+            if name not in position:
+                position[name] = len(position) + 1
+                keys += dataset_keys(name).script_keys
+            args += [position[name], *call_args]
+        return list(script(keys=keys, args=args))
 
     def recharge(self, name: str, sample_id: str, cost: int) -> int:
-        return int(self._recharge(keys=_keys(dataset_keys(name)), args=[sample_id, cost]))
+        return int(self._recharge(keys=dataset_keys(name).script_keys, args=[sample_id, cost]))
 
     def close(self, name: str, reason: str) -> CloseResult:
-        closed_now, purged = self._close(keys=_keys(dataset_keys(name)), args=[time.time(), reason])
+        closed_now, purged = self._close(keys=dataset_keys(name).script_keys,
+                                         args=[time.time(), reason])
         return CloseResult(bool(closed_now), int(purged))
 
     def reopen(self, name: str, budget_tokens: int) -> None:
-        self._reopen(keys=_keys(dataset_keys(name)), args=[budget_tokens])
+        self._reopen(keys=dataset_keys(name).script_keys, args=[budget_tokens])
 
     def absorb(self, name: str, costs: Iterable[tuple[str, int]], chunk: int = 2000) -> int:
         """Charge stored results the ledger lacks (reconcile from SQL); returns tokens added."""
-        keys, added = _keys(dataset_keys(name)), 0
+        keys, added = dataset_keys(name).script_keys, 0
         batch: list[str | int] = []
         for sample_id, cost in costs:
             batch += [sample_id, cost]

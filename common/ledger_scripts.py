@@ -10,6 +10,8 @@ KEYS[4..7] the queue's kombu priority lists.
 
 from __future__ import annotations
 
+KEYS_PER_DATASET = 7
+
 # Closing = state, timestamps and a purge of every priority list of the queue, in the
 # same atomic step as the decision. Returns the number of messages purged.
 _CLOSE_FN = """
@@ -195,3 +197,36 @@ if n > 0 then
 end
 return added
 """
+
+# The calls of one worker group in a single EVALSHA. The script's body becomes a function
+# whose parameters shadow KEYS and ARGV, so it runs unchanged, once per call, in order.
+# KEYS: the 7 keys of each dataset of the batch, one dataset after another.
+# ARGV: width (arguments a call takes), then per call its dataset's 1-based position in
+#   KEYS followed by its arguments. Returns the calls' replies in order.
+# One command instead of one per call: the worker packs and parses one, and Redis looks
+# the script up once. The batch is atomic as a whole, which decides nothing differently:
+# the same calls pipelined ran in the same order, each atomically.
+_BATCH_HEAD = """
+local function one(KEYS, ARGV)
+"""
+_BATCH_TAIL = f"""
+end
+local width, per = tonumber(ARGV[1]), {KEYS_PER_DATASET}
+local replies = {{}}
+for i = 2, #ARGV, width + 1 do
+  local base = (tonumber(ARGV[i]) - 1) * per
+  local keys, args = {{}}, {{}}
+  for k = 1, per do keys[k] = KEYS[base + k] end
+  for a = 1, width do args[a] = ARGV[i + a] end
+  replies[#replies + 1] = one(keys, args)
+end
+return replies
+"""
+
+
+def batched(script: str) -> str:
+    return _BATCH_HEAD + script + _BATCH_TAIL
+
+
+ADMIT_MANY = batched(ADMIT)
+CHARGE_MANY = batched(CHARGE)

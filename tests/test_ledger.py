@@ -6,6 +6,7 @@ import threading
 
 import redis
 
+from common import ledger_scripts as lua
 from common.budget import Budget, Policy
 from common.keys import dataset_keys
 from common.ledger import Admission, AdmitArgs, Charge, ChargeArgs, ChargeResult, Ledger
@@ -170,6 +171,37 @@ def test_batched_calls_answer_exactly_as_single_calls(
         assert [c.crossed for c in charged].count(True) == 1
         assert Charge.DUPLICATE in [c.status for c in charged]
         assert end[2] == "closed"
+
+
+def test_a_batch_across_datasets_answers_as_single_calls(ledger: Ledger) -> None:
+    """One batch may hold several datasets' calls, interleaved: each goes to its own keys."""
+    def run(prefix: str, batched: bool) -> tuple[object, ...]:
+        a, b = f"{prefix}-a", f"{prefix}-b"
+        ledger.configure(a, Budget(500, policy="exact"))
+        ledger.configure(b, Budget(10_000))
+        asks = [AdmitArgs(name, f"{name}-r{i}", 300, 200) for i in range(3) for name in (a, b)]
+        charges = [ChargeArgs(name, f"s{i}", f"{name}-r{i}", 10, 240)
+                   for i in range(3) for name in (a, b)]
+        if batched:
+            admitted, charged = ledger.admit_many(asks), ledger.charge_many(charges)
+        else:
+            admitted = [ledger.admit(x.name, x.rid, x.max_new_tokens, x.default_expected)
+                        for x in asks]
+            charged = [ledger.charge(c.name, c.sample_id, c.rid, c.prompt_tokens,
+                                     c.completion_tokens) for c in charges]
+        ends = tuple((s.used_tokens, s.samples, s.state, s.reserved_tokens, s.inflight)
+                     for s in (ledger.state(a), ledger.state(b)))
+        return admitted, charged, ends
+
+    single, batched = run("one", False), run("many", True)
+    assert batched == single
+    _, charged, ends = batched
+    assert ends[0][:3] == (500, 3, "closed") and ends[1][:3] == (720, 3, "open")
+    assert [c.kept_completion_tokens for c in charged] == [240, 240, 240, 240, 20, 240]
+
+
+def test_a_batch_knows_how_many_keys_a_dataset_has() -> None:
+    assert len(dataset_keys("ds").script_keys) == lua.KEYS_PER_DATASET
 
 
 def test_batched_calls_load_scripts_redis_lost(ledger: Ledger, redis_client: redis.Redis) -> None:

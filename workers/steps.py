@@ -2,11 +2,11 @@
 
 Before the request: the prompt read and the admission. After it: the charge and the
 store. Each task that reaches a step joins the others waiting there (``GroupCall``) and
-one of them does the step for all: one SELECT and one pipelined round of ADMIT scripts,
-then one pipelined round of CHARGE scripts and one commit. The scripts still run one by
-one, in order, each atomically, so the ledger decides exactly what it would for the same
-calls made singly; what the group saves is the round trips, and the thread hand-offs
-each blocking call costs a process of many threads.
+one of them does the step for all: one SELECT and one batched ADMIT script, then one
+batched CHARGE script and one commit. A batched script runs the single script's body
+once per call, in order, so the ledger decides exactly what it would for the same calls
+made singly; what the group saves is the round trips and per-command work, and the
+thread hand-offs each blocking call costs a process of many threads.
 """
 
 from __future__ import annotations

@@ -8,7 +8,7 @@ Single thread, sequential calls, same data, side by side:
     ``Store.save_result``) vs 8 at a time as the worker's groups do (``Store.prompts``,
     ``Store.save_results``), per prompt;
   * the ledger's scripts of a task (``admit`` + ``charge``), one at a time vs 8 in one
-    pipelined round each (``admit_many``, ``charge_many``), per task;
+    batched script call each (``admit_many``, ``charge_many``), per task;
   * a connection pool under 64 threads: SQLAlchemy's default for SQLite vs 64 slots.
 
     python -m ops.bench.hotpath [--quick]

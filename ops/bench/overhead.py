@@ -139,11 +139,11 @@ def profile_leg(procs: Processes, sim: tuple[str, int], args: argparse.Namespace
 
 WORKER_STEPS: tuple[tuple[str, str], ...] = (
     ("Store.prompts (shared SELECT)", "Store.prompts ("),
-    ("Ledger.admit_many (pipelined ADMIT)", "Ledger.admit_many ("),
+    ("Ledger.admit_many (batched ADMIT)", "Ledger.admit_many ("),
     ("Ledger.admit (Lua)", "Ledger.admit ("),
     ("WorkerContext.dataset", "WorkerContext.dataset ("),
     ("SGLangClient.generate (HTTP + JSON)", "SGLangClient.generate ("),
-    ("Ledger.charge_many (pipelined CHARGE)", "Ledger.charge_many ("),
+    ("Ledger.charge_many (batched CHARGE)", "Ledger.charge_many ("),
     ("Ledger.charge (Lua)", "Ledger.charge ("), ("result_row", "result_row ("),
     ("Store.save_result (INSERT + UPDATE)", "Store.save_result ("),
     ("commit_rows (shared commit: INSERT + UPDATE)", "commit_rows ("),
