@@ -40,6 +40,6 @@ def after_close(
         app.control.revoke_by_stamped_headers({STAMP: stamp}, reply=False)
     if client is not None and state.policy in ("abort", "exact"):
         rids = ledger.inflight_rids(name)
-        for rid in rids:
-            client.abort(rid)
-        log.info("dataset %s closed: aborted %d requests in flight", name, len(rids))
+        calls = client.abort_many(rids)
+        log.info("dataset %s closed: aborted %d requests in flight (%d calls)",
+                 name, len(rids), calls)

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import logging
 import time
-import uuid
 from enum import StrEnum
 from typing import Any
 
@@ -20,6 +19,7 @@ from common.closing import after_close
 from common.errors import TransientError
 from common.ledger import Admission, Charge
 from common.reconcile import reconcile_dataset
+from common.rids import new_rid
 from common.sglang_client import Completion
 from common.store import DatasetRow, PromptRow
 from workers.context import WorkerContext
@@ -40,11 +40,6 @@ class Outcome(StrEnum):
     MISSING = "missing-prompt"
 
 
-def new_rid(dataset: str) -> str:
-    # uuid first: SGLang aborts by rid *prefix*, so no rid may be a prefix of another.
-    return f"{uuid.uuid4().hex}-{dataset}"
-
-
 def sampling_params(ds: DatasetRow, prompt: PromptRow) -> dict[str, Any]:
     params = {k: v for k, v in ds.sampling.items() if k != "max_new_tokens"}
     params["max_new_tokens"] = prompt.max_new_tokens
@@ -52,7 +47,9 @@ def sampling_params(ds: DatasetRow, prompt: PromptRow) -> dict[str, Any]:
 
 
 def run_sample(ctx: WorkerContext, dataset: str, sample_id: str) -> Outcome:
-    rid = new_rid(dataset)
+    # The server is chosen before the rid, which names it for the aborts of a close.
+    server = ctx.client.pick_server()
+    rid = new_rid(dataset, server)
     # Claimed before ADMIT (which comes with the prompt read), so the reaper never frees a
     # reservation this process holds.
     ctx.live_rids.add(rid)
@@ -63,7 +60,7 @@ def run_sample(ctx: WorkerContext, dataset: str, sample_id: str) -> Outcome:
             return Outcome.MISSING
         if prompt.state != "queued" or admission is None:
             return _settle_finished(ctx, dataset, prompt)
-        return _generate(ctx, prompt, rid, admission)
+        return _generate(ctx, prompt, server, rid, admission)
     except BaseException:
         # Whatever failed after ADMIT may have run (an answer lost to a reset connection):
         # free the reservation, or the dataset's admission would count it for good.
@@ -73,7 +70,8 @@ def run_sample(ctx: WorkerContext, dataset: str, sample_id: str) -> Outcome:
         ctx.live_rids.discard(rid)
 
 
-def _generate(ctx: WorkerContext, prompt: PromptRow, rid: str, admission: Admission) -> Outcome:
+def _generate(ctx: WorkerContext, prompt: PromptRow, server: str, rid: str,
+              admission: Admission) -> Outcome:
     if admission is Admission.UNKNOWN:
         # The ledger lost its terms (Redis restarted): rebuild them from SQL, then ask again.
         reconcile_dataset(ctx.store, ctx.ledger, prompt.dataset)
@@ -84,7 +82,6 @@ def _generate(ctx: WorkerContext, prompt: PromptRow, rid: str, admission: Admiss
     if admission is not Admission.ADMITTED:
         return Outcome.WAIT
     ds = ctx.dataset(prompt.dataset)
-    server = ctx.client.pick_server()
     completion = ctx.client.generate(server, rid, prompt.input_ids, sampling_params(ds, prompt))
     if completion.finish_type == "abort":
         return _aborted(ctx, prompt.dataset, prompt.sample_id, rid, completion)

@@ -4,7 +4,10 @@ The charge that crosses a budget closes the dataset and purges its queue inside 
 Lua script, so the guard's latency is that ``Ledger.charge`` call's, measured here with
 0, 1,000 and 10,000 real producer messages queued. ``after_close`` (SQL record + one
 revoke broadcast; under abort also ``/abort_request`` per request in flight) is measured
-separately. Target: p99 < 50 ms.
+separately: against one server, and against a fleet of ``FLEET`` (its requests spread
+over them; each abort sent to the server its rid names, the servers side by side), beside
+the same close with every rid sent to every server in turn, as it was before rids named
+their server. Target: p99 < 50 ms.
 
     python -m ops.bench.guard [--quick]
 """
@@ -13,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import time
+from collections.abc import Sequence
 from typing import Any
 
 import redis
@@ -23,6 +27,7 @@ from common.closing import after_close
 from common.keys import dataset_keys, queue_name
 from common.ledger import Ledger
 from common.publish import Publisher
+from common.rids import new_rid
 from common.sglang_client import SGLangClient
 from common.store import DatasetRow, Store
 from ops.bench.harness import (
@@ -37,6 +42,7 @@ from ops.bench.report import emit, percentile, table, verdict
 TARGET_MS = 50.0
 BUDGET = 1000
 INFLIGHT = 64
+FLEET = 4
 
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
@@ -93,18 +99,26 @@ def charge_latencies(r: redis.Redis, ledger: Ledger, message: bytes, queued: int
     return plain, crossing
 
 
+class EveryServerInTurn(SGLangClient):
+    """The reference: each rid aborted on every server, one call after another."""
+
+    def abort_many(self, rids: Sequence[str]) -> int:
+        return sum(self._abort_on(server, [rid]) for rid in rids for server in self.urls)
+
+
 def close_latencies(store: Store, ledger: Ledger, app: Any, client: SGLangClient | None,
-                    policy: str, crossings: int) -> list[float]:
-    """ms of ``after_close`` right after a crossing (``INFLIGHT`` requests under abort)."""
+                    policy: str, crossings: int, tag: str = "") -> list[float]:
+    """ms of ``after_close`` right after a crossing (``INFLIGHT`` requests under abort,
+    spread over the client's servers as the workers' round robin spreads them)."""
     out = []
     for i in range(crossings):
-        name = f"close{policy}{i}"
+        name = f"close{policy}{tag}{i}"
         budget = Budget(BUDGET, "output", policy)  # type: ignore[arg-type]
         store.upsert_dataset(DatasetRow(name, budget, {}, 32768, "tok", "hash"))
         ledger.configure(name, budget)
         if client is not None:
             for k in range(INFLIGHT):
-                ledger.admit(name, f"{k:032x}-{name}", 100, 100)
+                ledger.admit(name, new_rid(name, client.urls[k % len(client.urls)]), 100, 100)
         ledger.charge(name, "s1", "r1", 10, BUDGET)
         t0 = time.perf_counter()
         after_close(name, store=store, ledger=ledger, app=app, client=client)
@@ -125,6 +139,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     cases: dict[str, list[float]] = {}
     with Processes() as procs:
         sim_url, _ = start_sim(procs, slots=64, decode=0, mean_output=16)
+        fleet = (sim_url, *(start_sim(procs, slots=64, decode=0, mean_output=16,
+                                      name=f"sim{k}")[0] for k in range(1, FLEET)))
         settings = bench_settings(fresh_db("sqlite", "guard"), sim_url)
         message = sample_message(r, settings)
         for n in (int(q) for q in args.queued.split(",") if q):
@@ -139,6 +155,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 store, ledger, app, None, "drain", args.crossings)
             cases[f"after_close abort, {kind}, {INFLIGHT} in flight"] = close_latencies(
                 store, ledger, app, client, "abort", args.crossings)
+            if kind == args.dbs.split(",")[0]:
+                on = f"{INFLIGHT} in flight on {FLEET} servers"
+                cases[f"after_close abort, {kind}, {on}"] = close_latencies(
+                    store, ledger, app, SGLangClient(fleet), "abort", args.crossings, "fleet")
+                cases[f"after_close abort, {kind}, {on}, every rid to every server"] = (
+                    close_latencies(store, ledger, app, EveryServerInTurn(fleet), "abort",
+                                    args.crossings, "every"))
             store.engine.dispose()
             app.close()
     r.flushdb()

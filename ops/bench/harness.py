@@ -105,7 +105,7 @@ def wait_until(pred: Callable[[], bool], timeout_s: float, interval_s: float = 0
 # -- the simulator ---------------------------------------------------------------------------
 
 def start_sim(procs: Processes, *, slots: int = 48, decode: float = 0.0, mean_output: int = 300,
-              extra: Sequence[str] = ()) -> tuple[str, subprocess.Popen[bytes]]:
+              extra: Sequence[str] = (), name: str = "sim") -> tuple[str, subprocess.Popen[bytes]]:
     """``datagen sim`` as its own process, with the bundled tokenizer; returns (url, proc).
 
     Often a benchmark's first write to its directory: it takes the directory (and makes
@@ -116,10 +116,11 @@ def start_sim(procs: Processes, *, slots: int = 48, decode: float = 0.0, mean_ou
             "--max-running-requests", str(slots), "--decode-tok-per-s", str(decode),
             "--mean-output-tokens", str(mean_output), "--tokenizer", str(BUNDLED_TOKENIZER),
             *extra]
-    proc = procs.start(argv, log=WORKDIR / "sim.log")
+    log = WORKDIR / f"{name}.log"
+    proc = procs.start(argv, log=log)
     url = f"http://127.0.0.1:{port}"
     if not wait_until(lambda: _answers(url), 30):
-        raise RuntimeError(f"datagen sim did not answer on {url}; see {WORKDIR / 'sim.log'}")
+        raise RuntimeError(f"datagen sim did not answer on {url}; see {log}")
     return url, proc
 
 

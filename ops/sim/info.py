@@ -114,9 +114,10 @@ async def handle_abort(request: web.Request) -> web.Response:
         body = json.loads(await request.read() or b"{}")
     except ValueError:
         body = {}
+    sim = request.app[SIM_KEY]
+    sim.abort_calls += 1
     if isinstance(body, dict):
         rid = body.get("rid")
-        sim = request.app[SIM_KEY]
         sim.engine.abort(rid if isinstance(rid, str) else None, body.get("abort_all") is True)
     return web.Response(status=200)
 

@@ -25,6 +25,7 @@ class SimState:
         self.log = RequestLog(cfg.request_log, cfg.log_capacity)
         self.started_ts = time.time()
         self.arrived = 0
+        self.abort_calls = 0  # POST /abort_request received, whatever they matched
         self.finish_counts: Counter[str] = Counter()
         self.output_tokens = 0
         self.prompt_tokens = 0
@@ -41,6 +42,7 @@ class SimState:
         self.log.clear()
         self.injector.reset()
         self.arrived = 0
+        self.abort_calls = 0
         self.finish_counts.clear()
         self.output_tokens = 0
         self.prompt_tokens = 0
@@ -54,6 +56,7 @@ class SimState:
             "waiting": len(self.engine.waiting),
             "completed": counts["stop"] + counts["length"],
             "aborted": counts["abort"],
+            "abort_calls": self.abort_calls,
             "errors": counts["error"],
             "disconnects": counts["disconnect"],
             "output_tokens": self.output_tokens,

@@ -1,0 +1,116 @@
+"""Aborts on a close go to the server each rid names: real simulators over HTTP.
+
+Two simulators run long requests; the client knows both, plus, in one test, a server that
+accepts connections and never answers. Each simulator counts the /abort_request calls it
+receives, so a test sees where every abort went, not only which requests ended.
+"""
+
+from __future__ import annotations
+
+import socket
+import time
+from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+import pytest
+import requests
+
+from common import sglang_client
+from common.rids import new_rid, server_tag, tag_of
+from common.sglang_client import SGLangClient
+from ops.localredis import free_port
+from ops.sim import SimConfig, SimServer
+
+LONG = {"max_new_tokens": 4000, "ignore_eos": True}  # 40 s at 100 tok/s: aborted long before
+
+
+@pytest.fixture(scope="module")
+def two_sims() -> Iterator[tuple[str, str]]:
+    cfg = SimConfig(port=0, decode_tok_per_s=100)
+    with SimServer(cfg) as a, SimServer(SimConfig(port=0, decode_tok_per_s=100)) as b:
+        assert a.url and b.url
+        yield a.url, b.url
+
+
+@pytest.fixture(autouse=True)
+def _reset(two_sims: tuple[str, str]) -> None:
+    for url in two_sims:
+        requests.post(f"{url}/sim/reset", timeout=5).raise_for_status()
+
+
+def stats(url: str) -> dict[str, Any]:
+    return requests.get(f"{url}/sim/stats", timeout=5).json()
+
+
+def start(pool: ThreadPoolExecutor, url: str, rid: str) -> Future[Any]:
+    body = {"rid": rid, "input_ids": [5, 6, 7], "sampling_params": LONG}
+    return pool.submit(lambda: requests.post(f"{url}/generate", json=body, timeout=60).json())
+
+
+def running(url: str, n: int) -> None:
+    deadline = time.monotonic() + 10
+    while stats(url)["running"] < n:
+        assert time.monotonic() < deadline, f"{url}: {n} requests never ran"
+        time.sleep(0.02)
+
+
+def test_a_rid_names_its_server_and_stays_unique() -> None:
+    rid = new_rid("ds-1", "http://gpu-3:30000")
+    assert tag_of(rid) == server_tag("http://gpu-3:30000") != server_tag("http://gpu-4:30000")
+    assert rid.endswith("-ds-1") and new_rid("ds-1", "http://gpu-3:30000") != rid
+    # Earlier rids (uuid-dataset) and foreign ones carry no tag.
+    assert tag_of("0123456789abcdef0123456789abcdef-ds") is None
+    assert tag_of("abc") is None
+
+
+def test_each_abort_goes_to_its_own_server_only(two_sims: tuple[str, str]) -> None:
+    a, b = two_sims
+    client = SGLangClient((a, b))
+    on_a = [new_rid("ds", a) for _ in range(3)]
+    on_b = [new_rid("ds", b) for _ in range(2)]
+    with ThreadPoolExecutor(5) as pool:
+        futures = [start(pool, a, rid) for rid in on_a] + [start(pool, b, rid) for rid in on_b]
+        running(a, 3)
+        running(b, 2)
+        assert client.abort_many(on_a) == 3
+        answers = [f.result() for f in futures[:3]]
+        assert stats(b)["running"] == 2  # b's requests untouched
+        assert client.abort_many(on_b) == 2
+        answers += [f.result() for f in futures[3:]]
+    assert [x["meta_info"]["finish_reason"]["type"] for x in answers] == ["abort"] * 5
+    assert (stats(a)["abort_calls"], stats(b)["abort_calls"]) == (3, 2)
+
+
+def test_a_rid_naming_no_known_server_is_aborted_everywhere(two_sims: tuple[str, str]) -> None:
+    a, b = two_sims
+    client = SGLangClient((a, b))
+    foreign = f"{'f' * 32}-ds"  # an earlier rid format, or a server this process lacks
+    with ThreadPoolExecutor(1) as pool:
+        future = start(pool, b, foreign)
+        running(b, 1)
+        assert client.abort_many([foreign]) == 2
+        assert future.result()["meta_info"]["finish_reason"]["type"] == "abort"
+    assert (stats(a)["abort_calls"], stats(b)["abort_calls"]) == (1, 1)
+
+
+def test_a_server_that_does_not_answer_is_skipped_not_waited_on_per_rid(
+    two_sims: tuple[str, str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    a, _ = two_sims
+    monkeypatch.setattr(sglang_client, "ABORT_READ_TIMEOUT_S", 0.3)
+    hung = socket.socket()  # listens (the kernel completes connects), never answers
+    hung.bind(("127.0.0.1", 0))
+    hung.listen(64)
+    refused = f"http://127.0.0.1:{free_port()}"
+    silent = f"http://127.0.0.1:{hung.getsockname()[1]}"
+    try:
+        client = SGLangClient((a, silent, refused))
+        rids = ([new_rid("ds", silent) for _ in range(10)]
+                + [new_rid("ds", refused) for _ in range(10)]
+                + [new_rid("ds", a) for _ in range(3)])
+        # One call each to the two dead servers, then the live one's three.
+        assert client.abort_many(rids) == 1 + 1 + 3
+        assert stats(a)["abort_calls"] == 3
+    finally:
+        hung.close()
