@@ -128,7 +128,8 @@ def test_a_blip_during_a_ledger_call_strands_no_prompt_and_leaks_no_reservation(
     aimed: every connection carrying the ledger's ADMIT script is reset while armed, after
     Redis has run it and before its answer comes back."""
     ledger = Ledger(private_redis.client())
-    admit_sha = ledger.redis.script_load(ledger_scripts.ADMIT).encode()  # runs at once
+    # The batched ADMIT, as a worker's admissions send it; loaded here, not through the proxy.
+    admit_sha = ledger.redis.script_load(ledger_scripts.ADMIT_MANY).encode()
     with ResetProxy(private_redis.port, marker=admit_sha, drop="reply") as proxy:
         settings = make_settings(sqlite_url, sim, redis_url=proxy.url)
         enqueue_paths(settings, [str(write_dataset(tmp_path, "blip", 4))])
