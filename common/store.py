@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import uuid
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -99,14 +100,43 @@ def _placeholder(dialect: sa.Dialect) -> str:
     raise NotImplementedError(f"paramstyle {dialect.paramstyle} of {dialect.name}")
 
 
+# The worker's group statements (a group's SELECT, INSERT and UPDATE) reach psycopg as
+# written, through a RawCursor with numbered placeholders: psycopg parses a statement
+# written with %s for its placeholders on every execution once it has more than 50
+# parameters (its cache stops there), and at a group's size that parsing was about half the
+# worker's time in its shared commit.
+def _numbered(dialect: sa.Dialect, sql: str) -> str:
+    """The statement as PostgreSQL takes it ($1, $2, ...); SQLite's as it is."""
+    if dialect.name != "postgresql":
+        return sql
+    parts = sql.split("%s")
+    return parts[0] + "".join(f"${i}{part}" for i, part in enumerate(parts[1:], 1))
+
+
+@contextlib.contextmanager
+def _as_written(conn: sa.Connection) -> Iterator[sa.Connection]:
+    """``conn`` sends its statements as written for the block (PostgreSQL: a RawCursor)."""
+    if conn.dialect.name != "postgresql":
+        yield conn
+        return
+    import psycopg
+
+    driver: Any = conn.connection.driver_connection
+    before, driver.cursor_factory = driver.cursor_factory, psycopg.RawCursor
+    try:
+        yield conn
+    finally:
+        driver.cursor_factory = before
+
+
 @functools.cache
 def _results_insert_sql(dialect: sa.Dialect, columns: tuple[str, ...], n: int) -> str:
     quote, ph = dialect.identifier_preparer.quote, _placeholder(dialect)
     values = "(" + ", ".join([ph] * len(columns)) + ")"
-    return (
+    return _numbered(dialect, (
         f"INSERT INTO results ({', '.join(quote(c) for c in columns)}) "
         f"VALUES {', '.join([values] * n)} ON CONFLICT DO NOTHING RETURNING dataset, sample_id"
-    )
+    ))
 
 
 @functools.cache
@@ -150,15 +180,15 @@ def _by_keys(dialect: sa.Dialect, n: int) -> str:
 
 @functools.cache
 def _prompts_select_sql(dialect: sa.Dialect, n: int) -> str:
-    return ("SELECT dataset, sample_id, state, input_ids, prompt_tokens, max_new_tokens, "
-            f"attempts FROM prompts WHERE {_by_keys(dialect, n)}")
+    return _numbered(dialect, "SELECT dataset, sample_id, state, input_ids, prompt_tokens, "
+                     f"max_new_tokens, attempts FROM prompts WHERE {_by_keys(dialect, n)}")
 
 
 @functools.cache
 def _mark_done_sql(dialect: sa.Dialect, n: int) -> str:
     ph = _placeholder(dialect)
-    return (f"UPDATE prompts SET state = 'done', error = NULL, updated_at = {ph} "
-            f"WHERE {_by_keys(dialect, n)}")
+    return _numbered(dialect, f"UPDATE prompts SET state = 'done', error = NULL, "
+                     f"updated_at = {ph} WHERE {_by_keys(dialect, n)}")
 
 
 def _marks_done(
@@ -337,7 +367,7 @@ class Store:
             return []
         unique = list(dict.fromkeys(keys))
         sql = _prompts_select_sql(self.engine.dialect, len(unique))
-        with self._reads.connect() as conn:
+        with self._reads.connect() as conn, _as_written(conn):
             rows = conn.exec_driver_sql(sql, tuple(v for key in unique for v in key)).all()
         found = {(r[0], r[1]): PromptRow(r[0], r[1], r[2], unpack(bytes(r[3])), r[4], r[5], r[6])
                  for r in rows}
@@ -385,7 +415,7 @@ class Store:
         if not rows:
             return set()
         dialect, now = self.engine.dialect, utcnow()
-        with self.engine.begin() as conn:
+        with self.engine.begin() as conn, _as_written(conn):
             # RETURNING, not rowcount: psycopg reports -1 for ON CONFLICT DO NOTHING.
             inserted: set[tuple[str, str]] = set()
             for statement in _results_inserts(dialect, rows, now):

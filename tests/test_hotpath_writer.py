@@ -180,3 +180,20 @@ def test_columns_a_row_leaves_out_get_the_database_default(db_url: str) -> None:
     with store.engine.connect() as conn:
         got = dict(conn.execute(sa.select(results.c.sample_id, results.c.cached_tokens)).all())
     assert got == {"s0": 0, "s1": 5}
+
+
+def test_a_connection_takes_sqlalchemy_statements_again_after_group_statements(
+    db_url: str,
+) -> None:
+    """The group statements run on PostgreSQL through a raw cursor ($1 placeholders); the
+    pooled connection must come back to SQLAlchemy as it was, also after a failure."""
+    store = Store(db_url)
+    add_prompts(store, 3)
+    assert store.prompts([("w", "s0")])[0] is not None
+    assert store.save_results([row(0)]) == {("w", "s0")}
+    with pytest.raises(sa_exc.IntegrityError):
+        store.save_results([row(1, model=None)])  # NULL in a NOT NULL column
+    # Statements SQLAlchemy compiles (named parameters), on the same pooled connection.
+    assert store.prompt_counts("w") == {"done": 1, "queued": 2}
+    assert store.has_result("w", "s0") and not store.has_result("w", "s1")
+    assert store.engine.pool.checkedin() == 1  # one connection served every statement
