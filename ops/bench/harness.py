@@ -259,6 +259,33 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / CLK_TCK if fields else 0.0
 
 
+MACHINE, STEAL = "machine", "steal"  # keys of machine_seconds, beside the processes'
+
+
+def machine_seconds() -> dict[str, float]:
+    """CPU seconds the machine has been busy so far (every process, every core: user,
+    nice, system, interrupts; not idle, iowait or steal), and those the hypervisor gave
+    to other guests (steal: this machine's share of a noisy host), from /proc/stat."""
+    fields = [int(v) for v in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:9]]
+    user, nice, system, _idle, _iowait, irq, softirq, steal = fields
+    return {MACHINE: (user + nice + system + irq + softirq) / CLK_TCK, STEAL: steal / CLK_TCK}
+
+
+def redis_pid(url: str) -> int | None:
+    """The Redis server's pid when it runs on this machine (its CPU is then measurable)."""
+    client = redis.Redis.from_url(url)
+    try:
+        if client.connection_pool.connection_kwargs.get("host") not in ("127.0.0.1",
+                                                                          "localhost"):
+            return None
+        pid = int(client.info("server")["process_id"])
+    except (redis.RedisError, KeyError, ValueError):
+        return None
+    finally:
+        client.close()
+    return pid if Path(f"/proc/{pid}").exists() else None
+
+
 def running(pid: int) -> bool:
     """The process exists and has not exited (an unreaped child is a zombie, state Z)."""
     fields = _stat(pid)

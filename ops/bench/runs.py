@@ -27,6 +27,8 @@ from ops.bench.harness import (
     Processes,
     context_switches,
     cpu_seconds,
+    machine_seconds,
+    redis_pid,
     running,
     sim_completed,
     sim_requests,
@@ -94,7 +96,7 @@ def watch(sim_url: str, expected: int, pids: dict[str, int], timeout_s: float,
         if done >= expected:
             end = _usage(pids)
             first = start or end
-            return ({k: end[0][k] - first[0][k] for k in pids},
+            return ({k: end[0][k] - first[0][k] for k in end[0]},
                     {k: end[1][k] - first[1][k] for k in pids})
         gone = [k for k, pid in pids.items() if not running(pid)]
         if gone:
@@ -110,8 +112,14 @@ def watch(sim_url: str, expected: int, pids: dict[str, int], timeout_s: float,
 
 
 def _usage(pids: dict[str, int]) -> Usage:
-    return ({k: cpu_seconds(p) for k, p in pids.items()},
+    return ({**{k: cpu_seconds(p) for k, p in pids.items()}, **machine_seconds()},
             {k: context_switches(p) for k, p in pids.items()})
+
+
+def service_pids(settings: Settings) -> dict[str, int]:
+    """The services a leg's CPU is also counted for (Redis, when it runs here)."""
+    pid = redis_pid(settings.redis_url)
+    return {"redis": pid} if pid else {}
 
 
 def measured_leg(label: str, sim_url: str, cpu: dict[str, float],
@@ -141,7 +149,8 @@ def pipeline_leg(procs: Processes, label: str, settings: Settings, sim: tuple[st
     try:
         if on_start:
             on_start(started)
-        pids = {"sim": sim_pid, **{f"worker{k}": p.pid for k, p in enumerate(started)}}
+        pids = {"sim": sim_pid, **service_pids(settings),
+                **{f"worker{k}": p.pid for k, p in enumerate(started)}}
         cpu, switches = watch(sim_url, expected, pids, timeout_s)
         store = Store(settings.database_url)
         ok = wait_until(lambda: settled(store), 60, 0.5)
@@ -193,7 +202,8 @@ def bare_celery_leg(procs: Processes, label: str, settings: Settings, sim: tuple
     try:
         if on_start:
             on_start([proc])
-        cpu, switches = watch(sim_url, expected, {"sim": sim_pid, "worker0": proc.pid},
+        cpu, switches = watch(sim_url, expected,
+                              {"sim": sim_pid, **service_pids(settings), "worker0": proc.pid},
                               timeout_s)
     finally:
         procs.stop(proc)
