@@ -8,6 +8,7 @@ request rather than to every server of the fleet.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import uuid
 
@@ -15,6 +16,7 @@ _UUID_HEX = 32
 _TAG_HEX = 8
 
 
+@functools.lru_cache(maxsize=256)  # a worker's few servers, hashed once, not once a task
 def server_tag(url: str) -> str:
     return hashlib.blake2s(url.encode(), digest_size=_TAG_HEX // 2).hexdigest()
 

@@ -16,13 +16,13 @@ from __future__ import annotations
 import json
 import os
 import threading
-import uuid
 from typing import Any
 
 import requests
 from celery import Task
 
 from common.celery_app import GENERATE_TASK, make_celery
+from common.rids import new_rid
 from common.settings import Settings
 from common.sglang_client import SGLangClient
 
@@ -49,7 +49,7 @@ def _session() -> requests.Session:
 @app.task(name=GENERATE_TASK, bind=True, acks_late=True, shared=False)
 def generate(self: Task, dataset: str, sample_id: str) -> int:
     p = _PAYLOADS[f"{dataset}/{sample_id}"]
-    rid = f"{uuid.uuid4().hex}-{dataset}"
+    rid = new_rid(dataset, _SERVER)  # the pipeline's own rid: the same body, byte for byte
     if _CLIENT is not None:
         return _CLIENT.generate(_SERVER, rid, p["input_ids"], p["sampling"]).completion_tokens
     body = {"rid": rid, "input_ids": p["input_ids"],
