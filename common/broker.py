@@ -8,16 +8,24 @@ threads (each command checks a connection out of the pool), so one client per po
 the same work. kombu drops its pools after a connection error and builds new ones, so
 the shared client is rebuilt whenever the pool under it is not the current one.
 
+It also lets a worker ack the messages of tasks that settled together in one round trip
+(``ack_settled``): the tasks' own acks then only do kombu's local bookkeeping. An ack is
+a blocking Redis call in the task's thread, and in a process of many threads each
+blocking call costs thread hand-offs on top of the round trip.
+
 Only the plain ``redis://`` scheme uses it: with an explicit transport kombu would skip
 what the ``rediss://`` scheme implies (TLS), so those URLs keep the stock transport.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Iterable
+from typing import Any, ClassVar
 
+import redis
 from kombu import connection as kombu_connection
 from kombu.transport import redis as kombu_redis
+from kombu.transport import virtual
 
 TRANSPORT = f"{__name__}:Transport"
 # How a connection names its transport in logs and URIs ("Cannot connect to redis://..."):
@@ -25,7 +33,45 @@ TRANSPORT = f"{__name__}:Transport"
 kombu_connection.resolve_aliases.setdefault(TRANSPORT, "redis")
 
 
+class QoS(kombu_redis.QoS):  # type: ignore[misc]
+    # Delivery tags whose messages ``ack_settled`` already took out of the unacked hash and
+    # index; one process's channels share it (a worker consumes through one).
+    removed: ClassVar[set[str]] = set()
+
+    def ack(self, delivery_tag: str) -> None:
+        if delivery_tag in QoS.removed:
+            QoS.removed.discard(delivery_tag)
+            virtual.QoS.ack(self, delivery_tag)  # kombu's local bookkeeping: frees a slot
+        else:
+            super().ack(delivery_tag)
+
+    def reject(self, delivery_tag: str, requeue: bool = False) -> None:
+        # A removed message is one whose result is stored: nothing is left to requeue.
+        QoS.removed.discard(delivery_tag)
+        super().reject(delivery_tag, requeue=requeue)
+
+
+def ack_settled(client: redis.Redis, tags: Iterable[str]) -> None:
+    """Take settled messages out of the unacked hash and index in one round trip.
+
+    Call it only for messages whose work is durable: from here on a crash does not bring
+    them back. Each one's own ack (Celery's, when its task returns) is then local. If the
+    round trip fails, nothing is marked and the acks go to Redis one by one as before.
+    """
+    tags = list(tags)
+    if not tags:
+        return
+    pipe = client.pipeline(transaction=False)
+    pipe.zrem(Channel.unacked_index_key, *tags)
+    pipe.hdel(Channel.unacked_key, *tags)
+    pipe.execute()
+    QoS.removed.update(tags)
+
+
 class Channel(kombu_redis.Channel):  # type: ignore[misc]
+    # The unacked keys are kombu's defaults (``celery_config`` sets no transport option
+    # for them), which ``ack_settled`` reads from the class.
+    QoS = QoS
     _shared_client: Any = None
 
     def _create_client(self, asynchronous: bool = False) -> Any:

@@ -67,3 +67,51 @@ def test_messages_are_delivered_and_acked_from_many_threads(redis_client: redis.
     assert sorted(m["n"] for m in received) == list(range(200))
     assert redis_client.hlen(chan.unacked_key) == 0
     assert redis_client.zcard(chan.unacked_index_key) == 0
+
+
+def test_settled_messages_leave_the_unacked_set_together_and_their_acks_stay_local(
+    redis_client: redis.Redis,
+) -> None:
+    queue = Queue("broker-settled")
+    with Connection(REDIS_URL, transport=broker.TRANSPORT) as conn:
+        with conn.Producer() as producer:
+            for n in range(12):
+                producer.publish({"n": n}, routing_key=queue.name, declare=[queue],
+                                 serializer="json")
+        with conn.SimpleQueue(queue) as simple:
+            messages = [simple.get(timeout=5) for _ in range(12)]
+            chan = simple.channel
+            settled, others = messages[:8], messages[8:]
+            broker.ack_settled(redis_client, [m.delivery_tag for m in settled])
+            assert redis_client.hlen(chan.unacked_key) == 4
+            assert redis_client.zcard(chan.unacked_index_key) == 4
+            # Proof that the acks below send nothing to Redis: a stand-in entry under one
+            # settled tag would be deleted by a real ack.
+            redis_client.hset(chan.unacked_key, settled[0].delivery_tag, "stand-in")
+            held = len(chan.qos._delivered) - len(chan.qos._dirty)
+            for message in settled:
+                message.ack()
+            assert redis_client.hget(chan.unacked_key, settled[0].delivery_tag) == b"stand-in"
+            # kombu's own bookkeeping still ran: the prefetch slots are free again.
+            assert len(chan.qos._delivered) - len(chan.qos._dirty) == held - 8
+            assert not broker.QoS.removed
+            for message in others:  # not settled together: acked in Redis as before
+                message.ack()
+            assert redis_client.hlen(chan.unacked_key) == 1  # the stand-in only
+            assert redis_client.zcard(chan.unacked_index_key) == 0
+            redis_client.hdel(chan.unacked_key, settled[0].delivery_tag)
+
+
+def test_a_reject_after_the_shared_ack_forgets_the_tag(redis_client: redis.Redis) -> None:
+    queue = Queue("broker-settled-reject")
+    with Connection(REDIS_URL, transport=broker.TRANSPORT) as conn:
+        with conn.Producer() as producer:
+            producer.publish({"n": 1}, routing_key=queue.name, declare=[queue],
+                             serializer="json")
+        with conn.SimpleQueue(queue) as simple:
+            message = simple.get(timeout=5)
+            broker.ack_settled(redis_client, [message.delivery_tag])
+            message.reject(requeue=True)
+            # Its result is stored: nothing comes back to the queue, and nothing is kept.
+            assert not broker.QoS.removed
+            assert redis_client.llen(queue.name) == 0

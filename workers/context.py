@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 import time
@@ -12,6 +13,7 @@ from pathlib import Path
 import redis
 from celery import Celery
 
+from common.broker import TRANSPORT, ack_settled, transport_for
 from common.ledger import Ledger
 from common.settings import Settings
 from common.sglang_client import SGLangClient
@@ -37,6 +39,9 @@ class WorkerContext:
     ledger: Ledger
     client: SGLangClient
     app: Celery | None = None
+    # Takes settled messages out of the broker's unacked set in one round trip (None: no
+    # broker, or one whose acks cannot be shared; each task's ack then goes on its own).
+    ack_settled: Callable[[list[str]], None] | None = None
     results: ResultWriter = field(init=False)
     admissions: GroupCall[steps.AdmitItem, steps.Admitted] = field(init=False)
     settlements: GroupCall[steps.SettleItem, steps.Settled] = field(init=False)
@@ -64,7 +69,11 @@ class WorkerContext:
             api_key=settings.sglang_api_key,
         )
         ledger = Ledger(redis.Redis.from_url(settings.redis_url, health_check_interval=25))
-        return cls(settings, Store(settings.database_url), ledger, client, app)
+        acks = None
+        if app is not None and transport_for(settings.redis_url) == TRANSPORT:
+            # The broker is the ledger's Redis (both are settings.redis_url).
+            acks = functools.partial(ack_settled, ledger.redis)
+        return cls(settings, Store(settings.database_url), ledger, client, app, acks)
 
     def dataset(self, name: str) -> DatasetRow:
         """The dataset's terms, re-read every few seconds so budget changes arrive."""

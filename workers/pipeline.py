@@ -46,7 +46,9 @@ def sampling_params(ds: DatasetRow, prompt: PromptRow) -> dict[str, Any]:
     return params
 
 
-def run_sample(ctx: WorkerContext, dataset: str, sample_id: str) -> Outcome:
+def run_sample(ctx: WorkerContext, dataset: str, sample_id: str,
+               delivery_tag: str | None = None) -> Outcome:
+    """Run one sample. ``delivery_tag``: its message, which the charge's group may ack."""
     # The server is chosen before the rid, which names it for the aborts of a close.
     server = ctx.client.pick_server()
     rid = new_rid(dataset, server)
@@ -60,7 +62,7 @@ def run_sample(ctx: WorkerContext, dataset: str, sample_id: str) -> Outcome:
             return Outcome.MISSING
         if prompt.state != "queued" or admission is None:
             return _settle_finished(ctx, dataset, prompt)
-        return _generate(ctx, prompt, server, rid, admission)
+        return _generate(ctx, prompt, server, rid, admission, delivery_tag)
     except BaseException:
         # Whatever failed after ADMIT may have run (an answer lost to a reset connection):
         # free the reservation, or the dataset's admission would count it for good.
@@ -71,7 +73,7 @@ def run_sample(ctx: WorkerContext, dataset: str, sample_id: str) -> Outcome:
 
 
 def _generate(ctx: WorkerContext, prompt: PromptRow, server: str, rid: str,
-              admission: Admission) -> Outcome:
+              admission: Admission, delivery_tag: str | None) -> Outcome:
     if admission is Admission.UNKNOWN:
         # The ledger lost its terms (Redis restarted): rebuild them from SQL, then ask again.
         reconcile_dataset(ctx.store, ctx.ledger, prompt.dataset)
@@ -85,7 +87,7 @@ def _generate(ctx: WorkerContext, prompt: PromptRow, server: str, rid: str,
     completion = ctx.client.generate(server, rid, prompt.input_ids, sampling_params(ds, prompt))
     if completion.finish_type == "abort":
         return _aborted(ctx, prompt.dataset, prompt.sample_id, rid, completion)
-    return keep(ctx, ds, prompt.sample_id, completion)
+    return keep(ctx, ds, prompt.sample_id, completion, delivery_tag)
 
 
 def _release_quietly(ctx: WorkerContext, dataset: str, rid: str) -> None:
@@ -95,9 +97,10 @@ def _release_quietly(ctx: WorkerContext, dataset: str, rid: str) -> None:
         log.warning("could not release %s's reservation %s; Redis does not answer", dataset, rid)
 
 
-def keep(ctx: WorkerContext, ds: DatasetRow, sample_id: str, completion: Completion) -> Outcome:
+def keep(ctx: WorkerContext, ds: DatasetRow, sample_id: str, completion: Completion,
+         delivery_tag: str | None = None) -> Outcome:
     """Charge the sample, then store what the charge allows."""
-    settled = ctx.settlements((ds, sample_id, completion))
+    settled = ctx.settlements((ds, sample_id, completion, delivery_tag))
     charge, row = settled.charge, settled.row
     if charge.status is Charge.REFUSED:
         return Outcome.DISCARDED
