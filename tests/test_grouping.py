@@ -155,3 +155,52 @@ def test_a_leader_waits_for_company_only_while_calls_come_closer_than_its_linger
     started = time.monotonic()
     assert group(8) == 8
     assert time.monotonic() - started >= 0.3
+
+
+class _TracedLock:
+    """A caller's wake-up lock that notes which thread released it."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._lock.acquire()
+        self.released_by: str | None = None
+
+    def acquire(self) -> None:
+        self._lock.acquire()
+
+    def release(self) -> None:
+        self.released_by = threading.current_thread().name
+        self._lock.release()
+
+
+def test_a_batch_wakes_its_callers_one_after_another(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Woken all at once, a batch's callers would all queue for the GIL together, ahead of
+    # the thread that takes the worker's next message; woken in a chain, one at a time.
+    from dataclasses import dataclass, field
+
+    from workers import grouping
+
+    pending: list[grouping._Pending[int, int]] = []
+
+    @dataclass(eq=False)
+    class Traced(grouping._Pending[int, int]):
+        wake: _TracedLock = field(default_factory=_TracedLock)  # type: ignore[assignment]
+
+        def __post_init__(self) -> None:
+            pending.append(self)
+
+    monkeypatch.setattr(grouping, "_Pending", Traced)
+    group: GroupCall[int, int] = GroupCall(lambda items: items, max_group=6, linger_s=5.0)
+    threads = [threading.Thread(target=group, args=(i,), name=f"caller-{i}") for i in range(6)]
+    for i, t in enumerate(threads):  # one by one, so the group's order is 0..5
+        t.start()
+        deadline = time.monotonic() + 5
+        while len(pending) <= i and time.monotonic() < deadline:
+            time.sleep(0.001)
+    for t in threads:
+        t.join(10)
+    assert not any(t.is_alive() for t in threads)
+    assert group.batches == 1
+    by_item = {p.item: p.wake.released_by for p in pending}
+    assert by_item == {1: "caller-0", 2: "caller-1", 3: "caller-2", 4: "caller-3",
+                       5: "caller-4", 0: None}
