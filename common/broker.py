@@ -19,7 +19,6 @@ what the ``rediss://`` scheme implies (TLS), so those URLs keep the stock transp
 
 from __future__ import annotations
 
-from collections.abc import Iterable
 from typing import Any, ClassVar
 
 import redis
@@ -51,14 +50,13 @@ class QoS(kombu_redis.QoS):  # type: ignore[misc]
         super().reject(delivery_tag, requeue=requeue)
 
 
-def ack_settled(client: redis.Redis, tags: Iterable[str]) -> None:
+def ack_settled(client: redis.Redis, tags: list[str]) -> None:
     """Take settled messages out of the unacked hash and index in one round trip.
 
     Call it only for messages whose work is durable: from here on a crash does not bring
     them back. Each one's own ack (Celery's, when its task returns) is then local. If the
     round trip fails, nothing is marked and the acks go to Redis one by one as before.
     """
-    tags = list(tags)
     if not tags:
         return
     pipe = client.pipeline(transaction=False)

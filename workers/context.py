@@ -13,7 +13,7 @@ from pathlib import Path
 import redis
 from celery import Celery
 
-from common.broker import TRANSPORT, ack_settled, transport_for
+from common.broker import TRANSPORT, ack_settled
 from common.ledger import Ledger
 from common.settings import Settings
 from common.sglang_client import SGLangClient
@@ -70,7 +70,7 @@ class WorkerContext:
         )
         ledger = Ledger(redis.Redis.from_url(settings.redis_url, health_check_interval=25))
         acks = None
-        if app is not None and transport_for(settings.redis_url) == TRANSPORT:
+        if app is not None and app.conf.broker_transport == TRANSPORT:
             # The broker is the ledger's Redis (both are settings.redis_url).
             acks = functools.partial(ack_settled, ledger.redis)
         return cls(settings, Store(settings.database_url), ledger, client, app, acks)

@@ -98,7 +98,7 @@ def finished(s: Settled) -> bool:
 
 
 def _ack_finished(ctx: WorkerContext, tags: list[str]) -> None:
-    if not tags or ctx.ack_settled is None:
+    if ctx.ack_settled is None:
         return
     try:
         ctx.ack_settled(tags)
