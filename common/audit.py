@@ -16,13 +16,12 @@ from typing import Any
 
 import redis
 
-from common.keys import dataset_keys, dataset_of_queue
+from common.keys import KOMBU_UNACKED, dataset_keys, dataset_of_queue
 from common.ledger import Ledger
 from common.publish import Publisher
 from common.reconcile import reconcile_dataset
 from common.store import Store
 
-UNACKED = "unacked"  # kombu's Redis transport default (no global_keyprefix)
 _CHUNK = 5000
 
 
@@ -51,7 +50,7 @@ def queued_in_redis(client: redis.Redis, dataset: str) -> set[str]:
         sample = sample_of(json.loads(raw))
         if sample is not None and sample[0] == dataset:
             found.add(sample[1])
-    for _tag, raw in client.hscan_iter(UNACKED, count=_CHUNK):
+    for _tag, raw in client.hscan_iter(KOMBU_UNACKED, count=_CHUNK):
         payload, _exchange, routing_key = json.loads(raw)
         if dataset_of_queue(str(routing_key)) == dataset:
             sample = sample_of(payload)

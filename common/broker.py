@@ -26,6 +26,8 @@ from kombu import connection as kombu_connection
 from kombu.transport import redis as kombu_redis
 from kombu.transport import virtual
 
+from common.keys import KOMBU_UNACKED, KOMBU_UNACKED_INDEX
+
 TRANSPORT = f"{__name__}:Transport"
 # How a connection names its transport in logs and URIs ("Cannot connect to redis://..."):
 # kombu's table of display aliases, which only changes how this transport is shown.
@@ -60,15 +62,13 @@ def ack_settled(client: redis.Redis, tags: list[str]) -> None:
     if not tags:
         return
     pipe = client.pipeline(transaction=False)
-    pipe.zrem(Channel.unacked_index_key, *tags)
-    pipe.hdel(Channel.unacked_key, *tags)
+    pipe.zrem(KOMBU_UNACKED_INDEX, *tags)
+    pipe.hdel(KOMBU_UNACKED, *tags)
     pipe.execute()
     QoS.removed.update(tags)
 
 
 class Channel(kombu_redis.Channel):  # type: ignore[misc]
-    # The unacked keys are kombu's defaults (``celery_config`` sets no transport option
-    # for them), which ``ack_settled`` reads from the class.
     QoS = QoS
     _shared_client: Any = None
 

@@ -29,6 +29,11 @@ No other module spells a key string; tests import these functions too.
                                                   prompts (SQL queued, not in Redis)
     datagen.q.{name} (+ kombu's \\x06\\x16{3,6,9} priority lists)
                                           list    kombu (Celery's Redis transport)
+    unacked                               hash    kombu: delivery tag -> message  none
+                                                  delivered, not yet acked (and
+                                                  common/broker.py's shared acks)
+    unacked_index                         zset    kombu: delivery tag -> delivery none
+                                                  time, beside ``unacked``
 """
 
 from __future__ import annotations
@@ -48,6 +53,11 @@ QUEUE_PREFIX = f"{PREFIX}.q."
 # step 0 and ``name + sep + step`` for the others. A purge must delete all of them.
 KOMBU_PRIORITY_SEP = "\x06\x16"
 KOMBU_PRIORITY_STEPS = (0, 3, 6, 9)
+# kombu's Redis transport keeps delivered, unacked messages under these names by default;
+# ``celery_config`` sets no transport option that renames them (``global_keyprefix``,
+# ``unacked_key``), which a test checks against a channel the app opens.
+KOMBU_UNACKED = "unacked"
+KOMBU_UNACKED_INDEX = "unacked_index"
 
 
 @dataclass(frozen=True)

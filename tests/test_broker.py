@@ -10,6 +10,7 @@ from kombu import Connection, Queue
 
 from common import broker
 from common.celery_app import make_celery
+from common.keys import KOMBU_UNACKED, KOMBU_UNACKED_INDEX
 from tests.conftest import REDIS_URL, make_settings
 
 
@@ -17,6 +18,10 @@ def test_the_app_uses_it_for_redis_urls_and_kombus_own_for_tls(tmp_path: Path) -
     app = make_celery(make_settings(f"sqlite:///{tmp_path / 'd.db'}", "http://127.0.0.1:1"))
     with app.connection_for_write() as conn:
         assert isinstance(conn.default_channel, broker.Channel)
+        # The shared acks, the reaper and the audit name kombu's unacked keys from
+        # common/keys.py: the app's options must leave them as kombu names them.
+        assert conn.default_channel.unacked_key == KOMBU_UNACKED
+        assert conn.default_channel.unacked_index_key == KOMBU_UNACKED_INDEX
         # Logs name the broker as users wrote it ("Cannot connect to redis://...").
         assert conn.as_uri().startswith("redis://")
     assert broker.transport_for("redis://h:6379/0") == broker.TRANSPORT

@@ -24,6 +24,8 @@ from celery import Celery
 from common.audit import requeue_lost
 from common.errors import ConfigError
 from common.keys import (
+    KOMBU_UNACKED,
+    KOMBU_UNACKED_INDEX,
     REAPER_LOCK,
     SWEEPER_LOCK,
     WORKERS,
@@ -61,10 +63,10 @@ class Received:
         return tags
 
 
-def prune(client: redis.Redis, worker: str, unacked_key: str) -> None:
+def prune(client: redis.Redis, worker: str) -> None:
     """Forget tags already acked (their messages left the transport's unacked hash)."""
     tags = texts(client.smembers(worker_tags(worker)))
-    gone = [t for t, held in zip(tags, _exists(client, unacked_key, tags), strict=True)
+    gone = [t for t, held in zip(tags, _exists(client, KOMBU_UNACKED, tags), strict=True)
             if not held]
     if gone:
         client.srem(worker_tags(worker), *gone)
@@ -132,14 +134,14 @@ def release_orphaned_reservations(client: redis.Redis, suspects: dict[tuple[str,
 
 
 def _restore_orphans(channel: Any, client: redis.Redis, delivered_before: float) -> int:
-    old = texts(client.zrangebyscore(channel.unacked_index_key, "-inf", delivered_before))
+    old = texts(client.zrangebyscore(KOMBU_UNACKED_INDEX, "-inf", delivered_before))
     if not old:
         return 0
     live = [worker_tags(w) for w in texts(client.zrange(WORKERS, 0, -1))]
     held = set(texts(client.sunion(live))) if live else set()
     restored = 0
     for tag in old:
-        if tag not in held and _ours(client.hget(channel.unacked_key, tag)):
+        if tag not in held and _ours(client.hget(KOMBU_UNACKED, tag)):
             # leftmost: back to the head of its queue, as a requeue would put it.
             channel.qos.restore_by_tag(tag, leftmost=True)
             restored += 1
@@ -188,10 +190,6 @@ class Heartbeat:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True, name="datagen-heartbeat")
 
-    def _unacked_key(self) -> str:
-        with self.app.connection_for_write() as conn:
-            return str(conn.default_channel.unacked_key)
-
     def start(self) -> None:
         self.client.zadd(WORKERS, {self.worker: time.time()})
         self._thread.start()
@@ -209,7 +207,7 @@ class Heartbeat:
                 tags = self.received.drain()
                 if tags:
                     self.client.sadd(worker_tags(self.worker), *tags)
-                prune(self.client, self.worker, self._unacked_key())
+                prune(self.client, self.worker)
                 self._publish_rids()
                 restored = reap(self.app, self.client, self.dead_after_s, self._suspects)
                 if restored:
