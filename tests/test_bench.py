@@ -65,6 +65,19 @@ def test_overhead_rows_judge_each_ratio_and_rate_against_its_target() -> None:
     assert rows["bare Celery task (same HTTP client), completions/s"] == ("1,200", "-")
 
 
+def test_the_guards_reference_case_is_shown_but_not_judged() -> None:
+    def case(p99: float, reference: bool = False) -> dict[str, float | bool]:
+        return {"n": 200, "p50_ms": p99 / 2, "p99_ms": p99, "max_ms": p99, "reference": reference}
+
+    guard = {"cases": {"after_close abort, sqlite, 64 in flight": case(60.0),
+                       "after_close abort, sqlite, 64 in flight, old way": case(80.0, True)}}
+    rows = {figure: (target, verdict) for _, figure, _, target, verdict in
+            headline({"guard": guard})}
+    assert rows["p99 ms, after_close abort, sqlite, 64 in flight"] == ("< 50", "MISSED")
+    assert rows["p99 ms, after_close abort, sqlite, 64 in flight, old way (reference)"] == \
+        ("-", "-")
+
+
 def test_a_benchmark_that_failed_or_did_not_run_says_so() -> None:
     rows = headline({"producer": None, "saturation": {"ratio": _summary(0.99, 0.98, 1.0)}})
     assert rows[0] == ("producer", "-", "-", "-", "failed")
