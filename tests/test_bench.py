@@ -23,7 +23,9 @@ from ops.bench.harness import (
     _answers,
     _create_database,
     context_switches,
+    cpu_seconds,
     free_port,
+    main_thread,
     wait_until,
 )
 from ops.bench.runs import watch
@@ -120,6 +122,33 @@ def test_context_switches_count_every_thread_of_the_process() -> None:
     release.set()
     t.join()
     assert after - before >= 20
+
+
+def test_the_main_threads_own_cpu_and_switches_leave_out_the_other_threads() -> None:
+    """What the overhead benchmark reports as the consumer: the main thread only."""
+    spun, release = threading.Event(), threading.Event()
+
+    def spin() -> None:
+        while time.thread_time() < 0.3:  # CPU of this thread, however busy the machine
+            pass
+        for _ in range(20):
+            time.sleep(0.002)
+        spun.set()
+        release.wait()
+
+    pid = os.getpid()
+    cpu0, switches0 = main_thread(pid)
+    process0 = cpu_seconds(pid)
+    t = threading.Thread(target=spin)
+    t.start()
+    spun.wait()
+    cpu1, switches1 = main_thread(pid)
+    process1, all_switches = cpu_seconds(pid), context_switches(pid)
+    release.set()
+    t.join()
+    assert process1 - process0 >= 0.25  # the other thread's 0.3 s, in 10 ms ticks
+    assert cpu1 - cpu0 < 0.1  # the main thread only waited
+    assert switches1 - switches0 < 20 <= all_switches - switches1
 
 
 def test_a_leg_that_stops_progressing_fails_fast_naming_the_cause(tmp_path: Path) -> None:

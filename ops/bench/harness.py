@@ -298,15 +298,27 @@ def context_switches(pid: int) -> int:
     Each is a thread that blocked (I/O, a lock, the GIL) or was preempted: in a worker of
     many threads, the count per task measures the hand-offs a task's path costs.
     """
-    total = 0
-    for status in Path(f"/proc/{pid}/task").glob("*/status"):
-        try:
-            lines = status.read_text().splitlines()
-        except OSError:  # the thread ended while we read
-            continue
-        total += sum(int(line.split()[1]) for line in lines
-                     if line.startswith(("voluntary_ctxt", "nonvoluntary_ctxt")))
-    return total
+    return sum(_switches(status) for status in Path(f"/proc/{pid}/task").glob("*/status"))
+
+
+def main_thread(pid: int) -> tuple[float, int]:
+    """CPU seconds and context switches of a process's main thread so far: in a Celery
+    worker, the consumer that takes every message, apart from the pool's threads."""
+    try:
+        fields = Path(f"/proc/{pid}/task/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0, 0
+    return (int(fields[11]) + int(fields[12])) / CLK_TCK, \
+        _switches(Path(f"/proc/{pid}/task/{pid}/status"))
+
+
+def _switches(status: Path) -> int:
+    try:
+        lines = status.read_text().splitlines()
+    except OSError:  # the thread ended while we read
+        return 0
+    return sum(int(line.split()[1]) for line in lines
+               if line.startswith(("voluntary_ctxt", "nonvoluntary_ctxt")))
 
 
 def rss_mb(pid: int) -> float:

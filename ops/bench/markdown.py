@@ -38,9 +38,12 @@ def _saturation(r: dict[str, Any]) -> str:
 
 def _overhead(r: dict[str, Any]) -> str:
     out = md(["leg", "completions/s", "ratio to bare", "worker CPU ms/task",
-              "worker switches/task", "sim CPU ms/task", "sim % of a core"],
+              "worker switches/task", "consumer CPU ms/task", "consumer switches/task",
+              "sim CPU ms/task", "sim % of a core"],
              [(k, s(v["rate"]), s(v["ratio_to_bare"], 3), s(v["worker_cpu_ms_per_task"], 2),
-               s(v.get("worker_switches_per_task"), 1), s(v["sim_cpu_ms_per_task"], 2),
+               s(v.get("worker_switches_per_task"), 1),
+               s(v.get("consumer_cpu_ms_per_task"), 2),
+               s(v.get("consumer_switches_per_task"), 1), s(v["sim_cpu_ms_per_task"], 2),
                s(v["sim_core_pct"], 0))
               for k, v in r.items() if isinstance(v, dict) and "rate" in v])
     prof = r.get("profile", {}).get("gil")

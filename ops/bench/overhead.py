@@ -241,6 +241,8 @@ def report(args: argparse.Namespace, legs: dict[str, list[Leg]],
         ratio = _ratios(runs, bare)
         worker_ms = Summary.of([leg.cpu_ms_per_task("workers") for leg in runs])
         worker_cs = Summary.of([leg.switches_per_task("workers") for leg in runs])
+        consumer_ms = Summary.of([leg.cpu_ms_per_task("consumers") for leg in runs])
+        consumer_cs = Summary.of([leg.switches_per_task("consumers") for leg in runs])
         sim_ms = Summary.of([leg.cpu_ms_per_task("sim") for leg in runs])
         sim_core = Summary.of([100 * leg.cpu_s["sim"] / leg.window_s for leg in runs])
         redis_ms = Summary.of([leg.cpu_ms_per_task("redis") for leg in runs])
@@ -248,10 +250,12 @@ def report(args: argparse.Namespace, legs: dict[str, list[Leg]],
         steal = Summary.of([100 * leg.cpu_s.get(STEAL, 0.0) / leg.window_s for leg in runs])
         rows.append((runs[0].label, rate.fmt(), ratio.fmt(3),
                      *([_ratios(runs, lean).fmt(3)] if lean else []), worker_ms.fmt(2),
-                     worker_cs.fmt(1), sim_ms.fmt(2), sim_core.fmt(0), redis_ms.fmt(2),
-                     machine_ms.fmt(2), steal.fmt(0)))
+                     worker_cs.fmt(1), consumer_ms.fmt(2), sim_ms.fmt(2), sim_core.fmt(0),
+                     redis_ms.fmt(2), machine_ms.fmt(2), steal.fmt(0)))
         figures[kind] = {"rate": rate, "ratio_to_bare": ratio, "worker_cpu_ms_per_task":
                          worker_ms, "worker_switches_per_task": worker_cs,
+                         "consumer_cpu_ms_per_task": consumer_ms,
+                         "consumer_switches_per_task": consumer_cs,
                          "sim_cpu_ms_per_task": sim_ms, "sim_core_pct": sim_core,
                          "redis_cpu_ms_per_task": redis_ms,
                          "machine_cpu_ms_per_task": machine_ms, "steal_core_pct": steal}
@@ -261,7 +265,8 @@ def report(args: argparse.Namespace, legs: dict[str, list[Leg]],
           f"c={args.concurrency} (median [min-max])",
           ["leg", "completions/s", "ratio to bare",
            *(["ratio to bare, SGLangClient"] if lean else []), "worker CPU ms/task",
-           "worker switches/task", "sim CPU ms/task", "sim % of a core",
+           "worker switches/task", "consumer (main thread) CPU ms/task",
+           "sim CPU ms/task", "sim % of a core",
            "Redis CPU ms/task", "machine CPU ms/task", "steal % of a core"], rows)
     checks = [(k, figures[k]["rate"].median, figures[k]["ratio_to_bare"].median)
               for k in legs if not k.startswith("bare")]

@@ -28,6 +28,7 @@ from ops.bench.harness import (
     context_switches,
     cpu_seconds,
     machine_seconds,
+    main_thread,
     redis_pid,
     running,
     sim_completed,
@@ -97,7 +98,7 @@ def watch(sim_url: str, expected: int, pids: dict[str, int], timeout_s: float,
             end = _usage(pids)
             first = start or end
             return ({k: end[0][k] - first[0][k] for k in end[0]},
-                    {k: end[1][k] - first[1][k] for k in pids})
+                    {k: end[1][k] - first[1][k] for k in end[1]})
         gone = [k for k, pid in pids.items() if not running(pid)]
         if gone:
             raise RuntimeError(f"{', '.join(gone)} exited after {done} of {expected} requests; "
@@ -111,9 +112,16 @@ def watch(sim_url: str, expected: int, pids: dict[str, int], timeout_s: float,
     raise TimeoutError(f"only {done} of {expected} requests finished in {timeout_s:.0f}s")
 
 
+# Key prefix of a worker's main thread (Celery's consumer) in a leg's CPU and switches.
+MAIN = "main:"
+
+
 def _usage(pids: dict[str, int]) -> Usage:
-    return ({**{k: cpu_seconds(p) for k, p in pids.items()}, **machine_seconds()},
-            {k: context_switches(p) for k, p in pids.items()})
+    mains = {MAIN + k: main_thread(p) for k, p in pids.items() if k.startswith("worker")}
+    return ({**{k: cpu_seconds(p) for k, p in pids.items()}, **machine_seconds(),
+             **{k: cpu for k, (cpu, _) in mains.items()}},
+            {**{k: context_switches(p) for k, p in pids.items()},
+             **{k: n for k, (_, n) in mains.items()}})
 
 
 def service_pids(settings: Settings) -> dict[str, int]:
@@ -125,10 +133,11 @@ def service_pids(settings: Settings) -> dict[str, int]:
 def measured_leg(label: str, sim_url: str, cpu: dict[str, float],
                  switches: dict[str, int]) -> Leg:
     """The leg as the server's log and ``watch`` saw it, with every ``worker*`` process
-    summed under "workers"."""
+    summed under "workers" and their main threads under "consumers"."""
     leg = busy_window(sim_requests(sim_url), Leg(label, cpu_s=cpu, switches=switches))
-    leg.cpu_s["workers"] = sum(v for k, v in cpu.items() if k.startswith("worker"))
-    leg.switches["workers"] = sum(v for k, v in switches.items() if k.startswith("worker"))
+    for total, prefix in (("workers", "worker"), ("consumers", MAIN)):
+        leg.cpu_s[total] = sum(v for k, v in cpu.items() if k.startswith(prefix))
+        leg.switches[total] = sum(v for k, v in switches.items() if k.startswith(prefix))
     return leg
 
 
