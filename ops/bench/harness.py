@@ -244,19 +244,24 @@ def clean_workdir() -> None:
 
 # -- process accounting ----------------------------------------------------------------------
 
-def _stat(pid: int) -> list[str] | None:
-    """The fields of /proc/PID/stat after the command name (which may hold spaces); None
-    once the process is gone."""
+def _stat(path: Path) -> list[str] | None:
+    """The fields of a /proc stat file after the command name (which may hold spaces);
+    None once the process or thread is gone."""
     try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return path.read_text().rsplit(")", 1)[1].split()
     except OSError:
         return None
 
 
+def _cpu(stat: Path) -> float:
+    """User + system CPU so far of the process or thread whose stat file this is."""
+    fields = _stat(stat)
+    return (int(fields[11]) + int(fields[12])) / CLK_TCK if fields else 0.0
+
+
 def cpu_seconds(pid: int) -> float:
     """User + system CPU of a process (all its threads) so far."""
-    fields = _stat(pid)
-    return (int(fields[11]) + int(fields[12])) / CLK_TCK if fields else 0.0
+    return _cpu(Path(f"/proc/{pid}/stat"))
 
 
 MACHINE, STEAL = "machine", "steal"  # keys of machine_seconds, beside the processes'
@@ -288,7 +293,7 @@ def redis_pid(url: str) -> int | None:
 
 def running(pid: int) -> bool:
     """The process exists and has not exited (an unreaped child is a zombie, state Z)."""
-    fields = _stat(pid)
+    fields = _stat(Path(f"/proc/{pid}/stat"))
     return fields is not None and fields[0] != "Z"
 
 
@@ -304,12 +309,8 @@ def context_switches(pid: int) -> int:
 def main_thread(pid: int) -> tuple[float, int]:
     """CPU seconds and context switches of a process's main thread so far: in a Celery
     worker, the consumer that takes every message, apart from the pool's threads."""
-    try:
-        fields = Path(f"/proc/{pid}/task/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    except OSError:
-        return 0.0, 0
-    return (int(fields[11]) + int(fields[12])) / CLK_TCK, \
-        _switches(Path(f"/proc/{pid}/task/{pid}/status"))
+    thread = Path(f"/proc/{pid}/task/{pid}")
+    return _cpu(thread / "stat"), _switches(thread / "status")
 
 
 def _switches(status: Path) -> int:
