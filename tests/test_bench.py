@@ -191,6 +191,9 @@ def test_make_bench_runs_end_to_end_at_quick_scale(tmp_path: Path,
         assert results["overhead"][kind]["worker_switches_per_task"]["median"] >= 1, kind
     assert results["overhead"]["sqlite"]["ratio_to_bare_sglang_client"]["n"] == 2
     assert any("crossing" in case for case in results["guard"]["cases"])
+    # The close with every rid sent to every server is the one case marked as a reference.
+    marked = [case for case, v in results["guard"]["cases"].items() if v["reference"]]
+    assert len(marked) == 1 and marked[0].endswith("every rid to every server"), marked
     assert "not run" not in done.stdout and "failed" not in done.stdout
 
 

@@ -130,10 +130,9 @@ def close_latencies(store: Store, ledger: Ledger, app: Any, client: SGLangClient
     return out
 
 
-def row(label: str, values: list[float]) -> tuple[Any, ...]:
+def row(label: str, values: list[float], reference: bool) -> tuple[Any, ...]:
     p99 = percentile(values, 99)
-    judged = "reference" if label.endswith(REFERENCE) else \
-        verdict(p99, TARGET_MS, higher_is_better=False)
+    judged = "reference" if reference else verdict(p99, TARGET_MS, higher_is_better=False)
     return (label, len(values), f"{percentile(values, 50):.2f}", f"{p99:.2f}",
             f"{max(values):.2f}", judged)
 
@@ -142,6 +141,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     r = fresh_redis()
     ledger = Ledger(r)
     cases: dict[str, list[float]] = {}
+    references: set[str] = set()  # cases shown for comparison, not held to the target
     with Processes() as procs:
         sim_url, _ = start_sim(procs, slots=64, decode=0, mean_output=16)
         fleet = (sim_url, *(start_sim(procs, slots=64, decode=0, mean_output=16,
@@ -164,17 +164,18 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 on = f"{INFLIGHT} in flight on {FLEET} servers"
                 cases[f"after_close abort, {kind}, {on}"] = close_latencies(
                     store, ledger, app, SGLangClient(fleet), "abort", args.crossings, "fleet")
-                cases[f"after_close abort, {kind}, {on}, {REFERENCE}"] = (
-                    close_latencies(store, ledger, app, EveryServerInTurn(fleet), "abort",
-                                    args.crossings, "every"))
+                reference = f"after_close abort, {kind}, {on}, {REFERENCE}"
+                references.add(reference)
+                cases[reference] = close_latencies(store, ledger, app, EveryServerInTurn(fleet),
+                                                   "abort", args.crossings, "every")
             store.engine.dispose()
             app.close()
     r.flushdb()
     table(f"guard latency, ms (budget {BUDGET} tokens; target p99 < {TARGET_MS:g} ms)",
           ["case", "n", "p50", "p99", "max", "p99 target"],
-          [row(k, v) for k, v in cases.items()])
+          [row(k, v, k in references) for k, v in cases.items()])
     return {k: {"n": len(v), "p50_ms": percentile(v, 50), "p99_ms": percentile(v, 99),
-                "max_ms": max(v), "reference": k.endswith(REFERENCE)} for k, v in cases.items()}
+                "max_ms": max(v), "reference": k in references} for k, v in cases.items()}
 
 
 def main(argv: list[str] | None = None) -> int:
