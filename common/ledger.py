@@ -89,9 +89,7 @@ class Ledger:
 
     def __init__(self, client: redis.Redis) -> None:
         self.redis = client
-        self._charge = client.register_script(lua.CHARGE)
         self._recharge = client.register_script(lua.RECHARGE)
-        self._admit = client.register_script(lua.ADMIT)
         self._admit_many = client.register_script(lua.ADMIT_MANY)
         self._charge_many = client.register_script(lua.CHARGE_MANY)
         self._release = client.register_script(lua.RELEASE)
@@ -107,9 +105,8 @@ class Ledger:
         return CloseResult(bool(closed_now), int(purged))
 
     def admit(self, name: str, rid: str, max_new_tokens: int, default_expected: int) -> Admission:
-        keys = dataset_keys(name).script_keys
-        status, _expected = self._admit(keys=keys, args=[rid, max_new_tokens, default_expected])
-        return Admission(int(status))
+        # A batch of one: the batched script is the only copy of ADMIT that Redis runs.
+        return self.admit_many([AdmitArgs(name, rid, max_new_tokens, default_expected)])[0]
 
     def admit_many(self, asks: Sequence[AdmitArgs]) -> list[Admission]:
         """``admit`` for each, in order, in one command (each call decided as if alone)."""
@@ -124,9 +121,8 @@ class Ledger:
     def charge(
         self, name: str, sample_id: str, rid: str, prompt_tokens: int, completion_tokens: int
     ) -> ChargeResult:
-        args: list[str | int | float] = [sample_id, rid, prompt_tokens, completion_tokens,
-                                         time.time()]
-        return _charge_result(self._charge(keys=dataset_keys(name).script_keys, args=args))
+        return self.charge_many(
+            [ChargeArgs(name, sample_id, rid, prompt_tokens, completion_tokens)])[0]
 
     def charge_many(self, charges: Sequence[ChargeArgs]) -> list[ChargeResult]:
         """``charge`` for each, in order, in one command: the batch decides exactly what
