@@ -89,7 +89,6 @@ _RESULT_COLUMNS = (
     "reasoning_tokens", "finish_reason", "finish_detail", "output_ids", "output_text",
     "e2e_latency_s", "server", "model", "created_at",
 )
-Statement = tuple[str, tuple[Any, ...]]
 
 
 def _placeholder(dialect: sa.Dialect) -> str:
@@ -130,13 +129,11 @@ def _as_written(conn: sa.Connection) -> Iterator[sa.Connection]:
 
 
 @functools.cache
-def _results_insert_sql(dialect: sa.Dialect, columns: tuple[str, ...], n: int) -> str:
+def _results_insert_text(dialect: sa.Dialect, columns: tuple[str, ...], n: int) -> str:
     quote, ph = dialect.identifier_preparer.quote, _placeholder(dialect)
     values = "(" + ", ".join([ph] * len(columns)) + ")"
-    return _numbered(dialect, (
-        f"INSERT INTO results ({', '.join(quote(c) for c in columns)}) "
-        f"VALUES {', '.join([values] * n)} ON CONFLICT DO NOTHING RETURNING dataset, sample_id"
-    ))
+    return (f"INSERT INTO results ({', '.join(quote(c) for c in columns)}) "
+            f"VALUES {', '.join([values] * n)} ON CONFLICT DO NOTHING RETURNING dataset, sample_id")
 
 
 @functools.cache
@@ -146,27 +143,25 @@ def _encoders(dialect: sa.Dialect, table: str, columns: tuple[str, ...]) -> tupl
     return tuple(t.c[c].type.dialect_impl(dialect).bind_processor(dialect) for c in columns)
 
 
-def _results_inserts(
-    dialect: sa.Dialect, rows: Sequence[dict[str, Any]], now: datetime
-) -> list[Statement]:
-    """One INSERT per set of keys the rows have (normally one): a column a row leaves out
-    gets the database's default, as with SQLAlchemy."""
+def _by_columns(rows: Sequence[dict[str, Any]]) -> dict[tuple[str, ...], list[dict[str, Any]]]:
+    """The rows by the set of keys they have (normally one set): each set is one INSERT, and
+    a column a row leaves out gets the database's default, as with SQLAlchemy."""
     by_columns: dict[tuple[str, ...], list[dict[str, Any]]] = {}
     for row in rows:
         columns = tuple(c for c in _RESULT_COLUMNS if c in row or c == "created_at")
         by_columns.setdefault(columns, []).append(row)
-    return [_results_insert(dialect, columns, same, now) for columns, same in by_columns.items()]
+    return by_columns
 
 
-def _results_insert(dialect: sa.Dialect, columns: tuple[str, ...],
-                    rows: Sequence[dict[str, Any]], now: datetime) -> Statement:
+def _insert_params(dialect: sa.Dialect, columns: tuple[str, ...],
+                   rows: Sequence[dict[str, Any]], now: datetime) -> list[Any]:
     encoders = _encoders(dialect, "results", columns)
     params: list[Any] = []
     for row in rows:
         values = [row.get(c) for c in columns]
         values[-1] = values[-1] or now  # created_at comes last
         params += [v if f is None else f(v) for v, f in zip(values, encoders, strict=True)]
-    return _results_insert_sql(dialect, columns, len(rows)), tuple(params)
+    return params
 
 
 @functools.cache
@@ -185,20 +180,31 @@ def _prompts_select_sql(dialect: sa.Dialect, n: int) -> str:
 
 
 @functools.cache
-def _mark_done_sql(dialect: sa.Dialect, n: int) -> str:
+def _mark_done_text(dialect: sa.Dialect, n: int) -> str:
     ph = _placeholder(dialect)
-    return _numbered(dialect, f"UPDATE prompts SET state = 'done', error = NULL, "
-                     f"updated_at = {ph} WHERE {_by_keys(dialect, n)}")
+    return (f"UPDATE prompts SET state = 'done', error = NULL, updated_at = {ph} "
+            f"WHERE {_by_keys(dialect, n)}")
 
 
-def _marks_done(
-    dialect: sa.Dialect, rows: Sequence[dict[str, Any]], now: datetime
-) -> Statement:
-    """One UPDATE for the group, whatever datasets its rows belong to."""
+def _mark_done_params(dialect: sa.Dialect, rows: Sequence[dict[str, Any]],
+                      now: datetime) -> list[Any]:
     (stamp,) = _encoders(dialect, "prompts", ("updated_at",))
-    when = stamp(now) if stamp else now
-    keys = [v for row in rows for v in (row["dataset"], row["sample_id"])]
-    return _mark_done_sql(dialect, len(rows)), (when, *keys)
+    return [stamp(now) if stamp else now,
+            *(v for row in rows for v in (row["dataset"], row["sample_id"]))]
+
+
+@functools.cache
+def _settle_sql(dialect: sa.Dialect, inserts: tuple[tuple[tuple[str, ...], int], ...],
+                n: int) -> str:
+    """PostgreSQL: a group's INSERTs (by columns and row count) and the UPDATE marking its
+    n prompts done, as one statement: atomic on its own, so it needs no transaction, and
+    one round trip where BEGIN, the statements and COMMIT took one each."""
+    parts = [f"i{k} AS ({_results_insert_text(dialect, columns, count)})"
+             for k, (columns, count) in enumerate(inserts)]
+    parts.append(f"done AS ({_mark_done_text(dialect, n)})")
+    inserted = " UNION ALL ".join(f"SELECT dataset, sample_id FROM i{k}"
+                                  for k in range(len(inserts)))
+    return _numbered(dialect, f"WITH {', '.join(parts)} {inserted}")
 
 
 @functools.lru_cache(maxsize=32)  # keyed by engine dialect: one entry per Store in practice
@@ -230,9 +236,9 @@ class Store:
     def __init__(self, url: str) -> None:
         self.url = url
         self.engine = make_engine(url)
-        # A single SELECT needs no transaction: on PostgreSQL, autocommit saves the BEGIN
-        # before it and the ROLLBACK when the pool takes the connection back.
-        self._reads = (self.engine.execution_options(isolation_level="AUTOCOMMIT")
+        # A single statement needs no transaction: on PostgreSQL, autocommit saves the
+        # BEGIN before it and the COMMIT or ROLLBACK after it.
+        self._autocommit = (self.engine.execution_options(isolation_level="AUTOCOMMIT")
                        if self.engine.dialect.name == "postgresql" else self.engine)
 
     # -- datasets -------------------------------------------------------------------------
@@ -367,7 +373,7 @@ class Store:
             return []
         unique = list(dict.fromkeys(keys))
         sql = _prompts_select_sql(self.engine.dialect, len(unique))
-        with self._reads.connect() as conn, _as_written(conn):
+        with self._autocommit.connect() as conn, _as_written(conn):
             rows = conn.exec_driver_sql(sql, tuple(v for key in unique for v in key)).all()
         found = {(r[0], r[1]): PromptRow(r[0], r[1], r[2], unpack(bytes(r[3])), r[4], r[5], r[6])
                  for r in rows}
@@ -415,12 +421,24 @@ class Store:
         if not rows:
             return set()
         dialect, now = self.engine.dialect, utcnow()
-        with self.engine.begin() as conn, _as_written(conn):
-            # RETURNING, not rowcount: psycopg reports -1 for ON CONFLICT DO NOTHING.
-            inserted: set[tuple[str, str]] = set()
-            for statement in _results_inserts(dialect, rows, now):
-                inserted.update((d, sid) for d, sid in conn.exec_driver_sql(*statement))
-            conn.exec_driver_sql(*_marks_done(dialect, rows, now))
+        by_columns = _by_columns(rows)
+        # RETURNING, not rowcount: psycopg reports -1 for ON CONFLICT DO NOTHING.
+        if dialect.name == "postgresql":
+            sql = _settle_sql(dialect, tuple((c, len(same)) for c, same in by_columns.items()),
+                              len(rows))
+            params = [v for c, same in by_columns.items()
+                      for v in _insert_params(dialect, c, same, now)]
+            params += _mark_done_params(dialect, rows, now)
+            with self._autocommit.connect() as conn, _as_written(conn):
+                return {(d, sid) for d, sid in conn.exec_driver_sql(sql, tuple(params))}
+        inserted: set[tuple[str, str]] = set()
+        with self.engine.begin() as conn:
+            for columns, same in by_columns.items():
+                sql = _results_insert_text(dialect, columns, len(same))
+                params = _insert_params(dialect, columns, same, now)
+                inserted.update((d, sid) for d, sid in conn.exec_driver_sql(sql, tuple(params)))
+            conn.exec_driver_sql(_mark_done_text(dialect, len(rows)),
+                                 tuple(_mark_done_params(dialect, rows, now)))
         return inserted
 
     def has_result(self, dataset: str, sample_id: str) -> bool:
