@@ -20,7 +20,8 @@ def backend_pid(engine: sa.Engine) -> int:
 
 def terminate(pid: int) -> None:
     """End a session from outside, as a server restart does, and wait until it is gone."""
-    admin = sa.create_engine(POSTGRES_URL)
+    # Autocommit: inside one transaction pg_stat_activity is a snapshot that never changes.
+    admin = sa.create_engine(POSTGRES_URL, isolation_level="AUTOCOMMIT")
     try:
         with admin.connect() as conn:
             assert conn.exec_driver_sql(f"SELECT pg_terminate_backend({pid})").scalar_one()
