@@ -239,7 +239,7 @@ class Store:
         # A single statement needs no transaction: on PostgreSQL, autocommit saves the
         # BEGIN before it and the COMMIT or ROLLBACK after it.
         self._autocommit = (self.engine.execution_options(isolation_level="AUTOCOMMIT")
-                       if self.engine.dialect.name == "postgresql" else self.engine)
+                            if self.engine.dialect.name == "postgresql" else self.engine)
 
     # -- datasets -------------------------------------------------------------------------
 
