@@ -25,7 +25,7 @@ def _sqlite_pragmas(dbapi_conn: Any, _record: Any) -> None:
     cur.close()
 
 
-def drop_if_closed_by_server(dbapi_conn: Any, _record: Any, _proxy: Any) -> None:
+def _drop_if_closed_by_server(dbapi_conn: Any, _record: Any, _proxy: Any) -> None:
     """Give the pool a new connection in place of one the server has closed.
 
     In place of SQLAlchemy's pre-ping, a round trip on every checkout (two on PostgreSQL:
@@ -53,24 +53,27 @@ def sqlalchemy_url(url: str) -> str:
     return url
 
 
-def make_engine(url: str) -> Engine:
-    """An engine whose schema exists; ServiceUnavailable if the database does not answer."""
+def pooled_engine(url: str, **pool: Any) -> Engine:
+    """An engine with the project's connection handling (SQLite's pragmas, PostgreSQL's
+    check at checkout); ``pool`` overrides the pool's defaults (sizes, timeouts)."""
     url = sqlalchemy_url(url)
     if url.startswith("sqlite"):
         # Every worker thread may hold a connection at once; SQLite serializes the writes.
         engine = sa.create_engine(
-            url,
-            connect_args={"timeout": 60, "check_same_thread": False},
-            pool_size=16,
-            max_overflow=240,
-            pool_timeout=120,
+            url, connect_args={"timeout": 60, "check_same_thread": False},
+            **{"pool_size": 16, "max_overflow": 240, "pool_timeout": 120, **pool},
         )
         sa.event.listen(engine, "connect", _sqlite_pragmas)
     else:
-        engine = sa.create_engine(
-            url, pool_size=8, max_overflow=64, pool_recycle=1800, pool_timeout=120,
-        )
-        sa.event.listen(engine, "checkout", drop_if_closed_by_server)
+        engine = sa.create_engine(url, **{"pool_size": 8, "max_overflow": 64,
+                                          "pool_recycle": 1800, "pool_timeout": 120, **pool})
+        sa.event.listen(engine, "checkout", _drop_if_closed_by_server)
+    return engine
+
+
+def make_engine(url: str) -> Engine:
+    """An engine whose schema exists; ServiceUnavailable if the database does not answer."""
+    engine = pooled_engine(url)
     try:
         metadata.create_all(engine)
     except OperationalError as exc:

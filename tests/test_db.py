@@ -4,6 +4,7 @@ the pool is replaced before anyone uses it, without a round trip for the healthy
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
 
 import pytest
 import sqlalchemy as sa
@@ -34,33 +35,41 @@ def terminate(pid: int) -> None:
         admin.dispose()
 
 
-def test_a_healthy_pooled_connection_is_kept() -> None:
+@pytest.fixture
+def checked() -> Iterator[sa.Engine]:
+    """The project's engine: its pool looks at each connection it hands out."""
     engine = make_engine(POSTGRES_URL)
-    try:
-        first = backend_pid(engine)
-        assert [backend_pid(engine) for _ in range(5)] == [first] * 5
-    finally:
-        engine.dispose()
+    yield engine
+    engine.dispose()
 
 
-def test_a_pooled_connection_the_server_closed_is_replaced_at_checkout() -> None:
-    engine = make_engine(POSTGRES_URL)
-    try:
-        closed = backend_pid(engine)
-        terminate(closed)
-        assert backend_pid(engine) != closed  # a new session, and no error on the way
-    finally:
-        engine.dispose()
-
-
-def test_without_the_check_the_same_connection_fails_its_next_statement() -> None:
-    """The control for the test above: a pool that neither pings nor looks hands out the
-    closed connection, and the caller's statement fails."""
+@pytest.fixture
+def unchecked() -> Iterator[sa.Engine]:
+    """A pool that neither pings nor looks."""
     engine = sa.create_engine(POSTGRES_URL)
-    try:
-        closed = backend_pid(engine)
-        terminate(closed)
-        with pytest.raises(sa_exc.OperationalError):
-            backend_pid(engine)
-    finally:
-        engine.dispose()
+    yield engine
+    engine.dispose()
+
+
+def test_a_healthy_pooled_connection_is_kept(checked: sa.Engine) -> None:
+    first = backend_pid(checked)
+    assert [backend_pid(checked) for _ in range(5)] == [first] * 5
+
+
+def test_a_pooled_connection_the_server_closed_is_replaced_at_checkout(
+    checked: sa.Engine,
+) -> None:
+    closed = backend_pid(checked)
+    terminate(closed)
+    assert backend_pid(checked) != closed  # a new session, and no error on the way
+
+
+def test_without_the_check_the_same_connection_fails_its_next_statement(
+    unchecked: sa.Engine,
+) -> None:
+    """The control for the test above: the closed connection is handed out, and the
+    caller's statement fails."""
+    closed = backend_pid(unchecked)
+    terminate(closed)
+    with pytest.raises(sa_exc.OperationalError):
+        backend_pid(unchecked)

@@ -28,7 +28,7 @@ import requests
 import sqlalchemy as sa
 
 from common.budget import Budget
-from common.db import drop_if_closed_by_server
+from common.db import pooled_engine
 from common.ledger import AdmitArgs, ChargeArgs, Ledger
 from common.sglang_client import SGLangClient
 from common.store import Store
@@ -158,17 +158,13 @@ def pool_rate(store: Store, keys: list[tuple[str, str]], threads: int = 64,
 def variant_engines(store: Store) -> dict[str, sa.engine.Engine]:
     """The store's engine, one with 64 pool slots, and (PostgreSQL) one that pings each
     connection it hands out (SQLAlchemy's pre-ping) instead of looking at its socket."""
-    url = store.engine.url
-    if url.get_backend_name() == "sqlite":
-        args: dict[str, Any] = {"connect_args": {"timeout": 60, "check_same_thread": False}}
-        return {"pool as configured": store.engine,
-                "pool_size=64": sa.create_engine(url, pool_size=64, max_overflow=0, **args)}
-    wide = sa.create_engine(url, pool_size=64, max_overflow=0)
-    sa.event.listen(wide, "checkout", drop_if_closed_by_server)
-    return {"pool as configured": store.engine,
-            "pool_size=64": wide,
-            "pool_pre_ping=True": sa.create_engine(url, pool_size=8, max_overflow=64,
-                                                   pool_pre_ping=True)}
+    url = store.engine.url.render_as_string(hide_password=False)
+    variants = {"pool as configured": store.engine,
+                "pool_size=64": pooled_engine(url, pool_size=64, max_overflow=0)}
+    if store.engine.dialect.name == "postgresql":
+        variants["pool_pre_ping=True"] = sa.create_engine(url, pool_size=8, max_overflow=64,
+                                                          pool_pre_ping=True)
+    return variants
 
 
 def db_cases(kind: str, sim_url: str, n_prompts: int) -> tuple[Store, list[tuple[str, str]]]:
