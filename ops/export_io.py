@@ -8,38 +8,48 @@ real name.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 from collections.abc import Iterator
 from pathlib import Path
 from types import TracebackType
-from typing import Any
-
-import pyarrow as pa
-import pyarrow.parquet as pq
+from typing import TYPE_CHECKING, Any
 
 from ops.export_rows import BATCH_ROWS
 
-IDS = pa.list_(pa.int32())
-PARQUET_SCHEMA = pa.schema([
-    pa.field("id", pa.int64(), nullable=False),
-    pa.field("dataset", pa.string(), nullable=False),
-    pa.field("sample_id", pa.string(), nullable=False),
-    pa.field("rid", pa.string(), nullable=False),
-    pa.field("prompt_tokens", pa.int32(), nullable=False),
-    pa.field("completion_tokens", pa.int32(), nullable=False),
-    pa.field("cached_tokens", pa.int32(), nullable=False),
-    pa.field("reasoning_tokens", pa.int32(), nullable=False),
-    pa.field("finish_reason", pa.string(), nullable=False),
-    pa.field("finish_detail", pa.string()),  # JSON text
-    pa.field("output_ids", IDS, nullable=False),
-    pa.field("output_text", pa.string(), nullable=False),
-    pa.field("e2e_latency_s", pa.float64()),
-    pa.field("server", pa.string(), nullable=False),
-    pa.field("model", pa.string(), nullable=False),
-    pa.field("created_at", pa.timestamp("us", tz="UTC"), nullable=False),
-    pa.field("input_ids", IDS),  # joined from prompts; null if the prompt row is gone
-])
+if TYPE_CHECKING:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+
+@functools.cache
+def parquet_schema() -> pa.Schema:
+    """The export's parquet schema. pyarrow (with numpy, about 30 MB resident) is imported
+    here and not at module level: every ``datagen`` command, workers included, builds the
+    export's argument parser, and only parquet files need it."""
+    import pyarrow as pa
+
+    ids = pa.list_(pa.int32())
+    return pa.schema([
+        pa.field("id", pa.int64(), nullable=False),
+        pa.field("dataset", pa.string(), nullable=False),
+        pa.field("sample_id", pa.string(), nullable=False),
+        pa.field("rid", pa.string(), nullable=False),
+        pa.field("prompt_tokens", pa.int32(), nullable=False),
+        pa.field("completion_tokens", pa.int32(), nullable=False),
+        pa.field("cached_tokens", pa.int32(), nullable=False),
+        pa.field("reasoning_tokens", pa.int32(), nullable=False),
+        pa.field("finish_reason", pa.string(), nullable=False),
+        pa.field("finish_detail", pa.string()),  # JSON text
+        pa.field("output_ids", ids, nullable=False),
+        pa.field("output_text", pa.string(), nullable=False),
+        pa.field("e2e_latency_s", pa.float64()),
+        pa.field("server", pa.string(), nullable=False),
+        pa.field("model", pa.string(), nullable=False),
+        pa.field("created_at", pa.timestamp("us", tz="UTC"), nullable=False),
+        pa.field("input_ids", ids),  # joined from prompts; null if the prompt row is gone
+    ])
 
 
 def _temp_path(path: Path) -> Path:
@@ -95,8 +105,10 @@ class ParquetSink(Sink):
     """Rows buffered into row groups of ``BATCH_ROWS``; an empty file still has the schema."""
 
     def __init__(self, path: Path) -> None:
+        import pyarrow.parquet as pq
+
         super().__init__(path)
-        self._writer: pq.ParquetWriter | None = pq.ParquetWriter(self.temp, PARQUET_SCHEMA)
+        self._writer: pq.ParquetWriter | None = pq.ParquetWriter(self.temp, parquet_schema())
         self._rows: list[dict[str, Any]] = []
 
     def _write(self, record: dict[str, Any]) -> None:
@@ -106,7 +118,9 @@ class ParquetSink(Sink):
 
     def _flush(self) -> None:
         if self._rows and self._writer is not None:
-            batch = pa.RecordBatch.from_pylist(self._rows, schema=PARQUET_SCHEMA)
+            import pyarrow as pa
+
+            batch = pa.RecordBatch.from_pylist(self._rows, schema=parquet_schema())
             self._writer.write_batch(batch, row_group_size=BATCH_ROWS)
             self._rows.clear()
 
@@ -138,13 +152,16 @@ def read_jsonl(path: Path) -> Iterator[tuple[str, dict[str, Any] | str]]:
 
 def read_parquet(path: Path) -> Iterator[tuple[str, dict[str, Any] | str]]:
     """(where, row) per row, a row group at a time; a wrong schema is one error."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
     try:
         parquet = pq.ParquetFile(path)
     except (OSError, pa.ArrowException) as exc:
         yield "file", f"not a readable parquet file: {exc}"
         return
     with parquet:
-        if not parquet.schema_arrow.equals(PARQUET_SCHEMA):
+        if not parquet.schema_arrow.equals(parquet_schema()):
             yield "file", f"schema differs from datagen's: {parquet.schema_arrow}"
             return
         n = 0

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -125,3 +127,14 @@ def test_reopen_raises_the_budget_and_enqueues_what_remains(
         wait_settled(store, ["ro"])
     assert store.prompt_counts("ro") == {"done": 30}
     assert ledger.state("ro").used_tokens == store.used_tokens("ro", store.dataset("ro").budget)
+
+
+def test_commands_other_than_export_do_not_load_pyarrow() -> None:
+    # Every command builds the whole parser, export's included; pyarrow and numpy would add
+    # about 40 MB to each worker's resident memory.
+    code = ("import sys; from ops.cli import build_parser; import workers.app; "
+            "build_parser().parse_args(['worker']); "
+            "print(sorted(m for m in ('pyarrow', 'numpy') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True, cwd=Path(__file__).resolve().parents[1]).stdout
+    assert out.strip() == "[]"

@@ -26,7 +26,7 @@ from common.store import DatasetRow, Store
 from ops import export_rows
 from ops.export import DatasetExport, add_export_parser, run_export, write_rows
 from ops.export_formats import SpeculatorsBuilder
-from ops.export_io import PARQUET_SCHEMA, ParquetSink, Sink
+from ops.export_io import ParquetSink, Sink, parquet_schema
 from ops.export_rows import BATCH_ROWS, ExportRow
 from ops.specforge_check import row_error
 from ops.validate import add_validate_parser, run_validate
@@ -260,7 +260,7 @@ def _empty_content(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
 def _bump_parquet_output(path: Path) -> None:
     rows = pq.read_table(path).to_pylist()
     rows[0]["output_ids"][0] += 1
-    pq.write_table(pa.Table.from_pylist(rows, schema=PARQUET_SCHEMA), path)
+    pq.write_table(pa.Table.from_pylist(rows, schema=parquet_schema()), path)
 
 
 TAMPERS: dict[str, tuple[str, Callable[[Path], None], list[str]]] = {
@@ -389,7 +389,7 @@ def test_writer_is_fed_row_by_row(produced: Produced) -> None:
 
 def test_parquet_written_in_row_groups_of_a_batch(tmp_path: Path) -> None:
     path = tmp_path / "big.parquet"
-    row: dict[str, Any] = {f.name: None for f in PARQUET_SCHEMA}
+    row: dict[str, Any] = {f.name: None for f in parquet_schema()}
     row |= {"id": 1, "dataset": "d", "sample_id": "s", "rid": "r", "prompt_tokens": 1,
             "completion_tokens": 1, "cached_tokens": 0, "reasoning_tokens": 0,
             "finish_reason": "stop", "output_ids": [1], "output_text": "x", "server": "s",
