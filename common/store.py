@@ -113,19 +113,38 @@ def _numbered(dialect: sa.Dialect, sql: str) -> str:
 
 
 @contextlib.contextmanager
-def _as_written(conn: sa.Connection) -> Iterator[sa.Connection]:
-    """``conn`` sends its statements as written for the block (PostgreSQL: a RawCursor)."""
+def _as_written(conn: sa.Connection, binary: bool = False) -> Iterator[sa.Connection]:
+    """``conn`` sends its statements as written for the block (PostgreSQL: a RawCursor);
+    ``binary``: PostgreSQL sends the results in its binary format."""
     if conn.dialect.name != "postgresql":
         yield conn
         return
-    import psycopg
-
     driver: Any = conn.connection.driver_connection
-    before, driver.cursor_factory = driver.cursor_factory, psycopg.RawCursor
+    before, driver.cursor_factory = driver.cursor_factory, _raw_cursor(binary)
     try:
         yield conn
     finally:
         driver.cursor_factory = before
+
+
+@functools.cache
+def _raw_cursor(binary: bool) -> type:
+    import psycopg
+
+    if not binary:
+        return psycopg.RawCursor
+
+    # A prompt read returns every prompt's token ids: as text, PostgreSQL writes a bytea
+    # in hex (twice its size) and psycopg decodes it. Binary halves the bytes on the wire
+    # and took half the client's CPU for a read of 20 prompts of 1,000 tokens (274 -> 135
+    # µs, docs/PERFORMANCE.md "Eighth round").
+    class BinaryRawCursor(psycopg.RawCursor):  # type: ignore[misc]
+        def execute(self, query: Any, params: Any = None, *, prepare: bool | None = None,
+                    binary: bool | None = None) -> Any:
+            return super().execute(query, params, prepare=prepare,
+                                   binary=True if binary is None else binary)
+
+    return BinaryRawCursor
 
 
 @functools.cache
@@ -373,7 +392,7 @@ class Store:
             return []
         unique = list(dict.fromkeys(keys))
         sql = _prompts_select_sql(self.engine.dialect, len(unique))
-        with self._autocommit.connect() as conn, _as_written(conn):
+        with self._autocommit.connect() as conn, _as_written(conn, binary=True):
             rows = conn.exec_driver_sql(sql, tuple(v for key in unique for v in key)).all()
         found = {(r[0], r[1]): PromptRow(r[0], r[1], r[2], unpack(bytes(r[3])), r[4], r[5], r[6])
                  for r in rows}
