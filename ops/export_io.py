@@ -25,7 +25,7 @@ if TYPE_CHECKING:
 
 @functools.cache
 def parquet_schema() -> pa.Schema:
-    """The export's parquet schema. pyarrow (with numpy, about 30 MB resident) is imported
+    """The export's parquet schema. pyarrow (with numpy, about 40 MB resident) is imported
     here and not at module level: every ``datagen`` command, workers included, builds the
     export's argument parser, and only parquet files need it."""
     import pyarrow as pa
