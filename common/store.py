@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import uuid
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -112,39 +111,54 @@ def _numbered(dialect: sa.Dialect, sql: str) -> str:
     return parts[0] + "".join(f"${i}{part}" for i, part in enumerate(parts[1:], 1))
 
 
-@contextlib.contextmanager
-def _as_written(conn: sa.Connection, binary: bool = False) -> Iterator[sa.Connection]:
-    """``conn`` sends its statements as written for the block (PostgreSQL: a RawCursor);
-    ``binary``: PostgreSQL sends the results in its binary format."""
-    if conn.dialect.name != "postgresql":
-        yield conn
-        return
-    driver: Any = conn.connection.driver_connection
-    before, driver.cursor_factory = driver.cursor_factory, _raw_cursor(binary)
-    try:
-        yield conn
-    finally:
-        driver.cursor_factory = before
+def _run_as_written(engine: sa.Engine, sql: str, params: tuple[Any, ...],
+                    binary: bool = False) -> list[tuple[Any, ...]]:
+    """PostgreSQL: run one statement as written ($1, $2, ...) and return its rows, its
+    errors raised as SQLAlchemy's.
 
-
-@functools.cache
-def _raw_cursor(binary: bool) -> type:
+    A single statement needs no transaction, so it runs in autocommit: no BEGIN before it,
+    no COMMIT after it. It goes to psycopg on a pooled connection directly: through a
+    SQLAlchemy connection with the autocommit option, the worker spent 2-9% more CPU a
+    sample (docs/PERFORMANCE.md, "Eighth round"). ``binary``: the rows come in PostgreSQL's
+    binary format, where a bytea as text is hex, twice its size (a prompt read returns
+    every prompt's token ids).
+    """
     import psycopg
 
-    if not binary:
-        return psycopg.RawCursor
+    try:
+        # The pool's checkout check runs as for any other use; a refused connection is
+        # raised as the DBAPI's error here, not SQLAlchemy's.
+        pooled = engine.raw_connection()
+    except psycopg.Error as exc:
+        raise sa.exc.DBAPIError.instance(None, None, exc, psycopg.Error,
+                                         dialect=engine.dialect) from exc
+    driver: Any = pooled.driver_connection
+    try:
+        try:
+            driver.autocommit = True
+            with psycopg.RawCursor(driver) as cur:
+                cur.execute(sql, params, binary=binary)
+                return cur.fetchall()
+        finally:
+            _back_to_transactions(pooled, driver)
+    except psycopg.Error as exc:
+        raise sa.exc.DBAPIError.instance(sql, params, exc, psycopg.Error,
+                                         dialect=engine.dialect) from exc
+    finally:
+        pooled.close()
 
-    # A prompt read returns every prompt's token ids: as text, PostgreSQL writes a bytea
-    # in hex (twice its size) and psycopg decodes it. Binary halves the bytes on the wire
-    # and took half the client's CPU for a read of 20 prompts of 1,000 tokens (274 -> 135
-    # µs, docs/PERFORMANCE.md "Eighth round").
-    class BinaryRawCursor(psycopg.RawCursor):  # type: ignore[misc]
-        def execute(self, query: Any, params: Any = None, *, prepare: bool | None = None,
-                    binary: bool | None = None) -> Any:
-            return super().execute(query, params, prepare=prepare,
-                                   binary=True if binary is None else binary)
 
-    return BinaryRawCursor
+def _back_to_transactions(pooled: Any, driver: Any) -> None:
+    """Return the connection to the pool as SQLAlchemy expects it (not in autocommit), or
+    drop it: a pooled connection left in autocommit would make every later transaction
+    on it a series of separate commits."""
+    if not driver.broken and not driver.closed:
+        try:
+            driver.autocommit = False
+            return
+        except Exception:  # whatever it is, the connection is dropped below
+            pass
+    pooled.invalidate()
 
 
 @functools.cache
@@ -255,10 +269,6 @@ class Store:
     def __init__(self, url: str) -> None:
         self.url = url
         self.engine = make_engine(url)
-        # A single statement needs no transaction: on PostgreSQL, autocommit saves the
-        # BEGIN before it and the COMMIT or ROLLBACK after it.
-        self._autocommit = (self.engine.execution_options(isolation_level="AUTOCOMMIT")
-                            if self.engine.dialect.name == "postgresql" else self.engine)
 
     # -- datasets -------------------------------------------------------------------------
 
@@ -392,8 +402,12 @@ class Store:
             return []
         unique = list(dict.fromkeys(keys))
         sql = _prompts_select_sql(self.engine.dialect, len(unique))
-        with self._autocommit.connect() as conn, _as_written(conn, binary=True):
-            rows = conn.exec_driver_sql(sql, tuple(v for key in unique for v in key)).all()
+        params = tuple(v for key in unique for v in key)
+        if self.engine.dialect.name == "postgresql":
+            rows: Sequence[Any] = _run_as_written(self.engine, sql, params, binary=True)
+        else:
+            with self.engine.connect() as conn:
+                rows = conn.exec_driver_sql(sql, params).all()
         found = {(r[0], r[1]): PromptRow(r[0], r[1], r[2], unpack(bytes(r[3])), r[4], r[5], r[6])
                  for r in rows}
         return [found.get(key) for key in keys]
@@ -448,8 +462,7 @@ class Store:
             params = [v for c, same in by_columns.items()
                       for v in _insert_params(dialect, c, same, now)]
             params += _mark_done_params(dialect, rows, now)
-            with self._autocommit.connect() as conn, _as_written(conn):
-                return {(d, sid) for d, sid in conn.exec_driver_sql(sql, tuple(params))}
+            return {(d, sid) for d, sid in _run_as_written(self.engine, sql, tuple(params))}
         inserted: set[tuple[str, str]] = set()
         with self.engine.begin() as conn:
             for columns, same in by_columns.items():

@@ -197,3 +197,8 @@ def test_a_connection_takes_sqlalchemy_statements_again_after_group_statements(
     assert store.prompt_counts("w") == {"done": 1, "queued": 2}
     assert store.has_result("w", "s0") and not store.has_result("w", "s1")
     assert store.engine.pool.checkedin() == 1  # one connection served every statement
+    if store.engine.dialect.name == "postgresql":
+        # Group statements run in autocommit; a connection left so would turn every later
+        # transaction on it into separate commits.
+        with store.engine.connect() as conn:
+            assert conn.connection.driver_connection.autocommit is False  # type: ignore[union-attr]
