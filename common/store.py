@@ -125,17 +125,14 @@ def _run_as_written(engine: sa.Engine, sql: str, params: tuple[Any, ...],
     """
     import psycopg
 
+    pooled = None
     try:
-        # The pool's checkout check runs as for any other use; a refused connection is
-        # raised as the DBAPI's error here, not SQLAlchemy's.
+        # The pool's checkout check runs as for any other use; a refused connection comes
+        # out of it as psycopg's error, like a failed statement.
         pooled = engine.raw_connection()
-    except psycopg.Error as exc:
-        raise sa.exc.DBAPIError.instance(None, None, exc, psycopg.Error,
-                                         dialect=engine.dialect) from exc
-    driver: Any = pooled.driver_connection
-    try:
+        driver: Any = pooled.driver_connection
+        driver.autocommit = True
         try:
-            driver.autocommit = True
             with psycopg.RawCursor(driver) as cur:
                 cur.execute(sql, params, binary=binary)
                 return cur.fetchall()
@@ -145,7 +142,8 @@ def _run_as_written(engine: sa.Engine, sql: str, params: tuple[Any, ...],
         raise sa.exc.DBAPIError.instance(sql, params, exc, psycopg.Error,
                                          dialect=engine.dialect) from exc
     finally:
-        pooled.close()
+        if pooled is not None:
+            pooled.close()
 
 
 def _back_to_transactions(pooled: Any, driver: Any) -> None:
