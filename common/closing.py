@@ -1,9 +1,9 @@
 """Closing a dataset, at its budget's crossing or by hand, the same way everywhere.
 
 The ledger script has already marked the dataset closed and purged its queue in one
-atomic step. What follows here is idempotent: record the close in SQL, revoke what
-workers have reserved (one broadcast on the ``dataset`` stamp, not one per task id), and,
-under the abort and exact policies, abort the dataset's requests still on the servers.
+atomic step. What follows here is idempotent: under the abort and exact policies, abort
+the dataset's requests still on the servers; then record the close in SQL and revoke what
+workers have reserved (one broadcast on the ``dataset`` stamp, not one per task id).
 Tasks that still reach a worker later are dropped by the ledger's admission check.
 """
 
@@ -15,7 +15,7 @@ from datetime import UTC, datetime
 from celery import Celery
 
 from common.celery_app import STAMP
-from common.ledger import Ledger
+from common.ledger import Ledger, LedgerState
 from common.sglang_client import SGLangClient
 from common.store import Store
 
@@ -31,6 +31,19 @@ def after_close(
     client: SGLangClient | None,
 ) -> None:
     state = ledger.state(name)
+    if client is not None and state.policy in ("abort", "exact"):
+        # The servers' requests first: each millisecond they run on is GPU time spent on
+        # tokens the budget no longer takes, and a database that is away must not keep
+        # them running.
+        rids = ledger.inflight_rids(name)
+        calls = client.abort_many(rids)
+        log.info("dataset %s closed: aborted %d requests in flight (%d calls)",
+                 name, len(rids), calls)
+    _record(name, state, store, app)
+
+
+def _record(name: str, state: LedgerState, store: Store, app: Celery | None) -> None:
+    """Record the close in SQL, and revoke the dataset's tasks that workers hold."""
     closed_at = datetime.fromtimestamp(state.closed_at or 0, UTC)
     store.record_close(
         name, state.close_reason or "manual", closed_at, state.used_at_close or state.used_tokens
@@ -38,8 +51,3 @@ def after_close(
     if app is not None:
         stamp = store.dataset(name).stamp
         app.control.revoke_by_stamped_headers({STAMP: stamp}, reply=False)
-    if client is not None and state.policy in ("abort", "exact"):
-        rids = ledger.inflight_rids(name)
-        calls = client.abort_many(rids)
-        log.info("dataset %s closed: aborted %d requests in flight (%d calls)",
-                 name, len(rids), calls)

@@ -15,10 +15,16 @@ from typing import Any
 
 import pytest
 import requests
+import sqlalchemy as sa
+from sqlalchemy.exc import OperationalError
 
 from common import sglang_client
+from common.budget import Budget
+from common.closing import after_close
+from common.ledger import Admission, Ledger
 from common.rids import new_rid, server_tag, tag_of
 from common.sglang_client import SGLangClient
+from common.store import Store
 from ops.localredis import free_port
 from ops.sim import SimConfig, SimServer
 
@@ -114,3 +120,27 @@ def test_a_server_that_does_not_answer_is_skipped_not_waited_on_per_rid(
         assert stats(a)["abort_calls"] == 3
     finally:
         hung.close()
+
+
+def test_a_close_aborts_its_requests_even_when_the_database_is_away(
+    two_sims: tuple[str, str], ledger: Ledger, sqlite_url: str
+) -> None:
+    """The SQL record of a close and its aborts go side by side: a database that refuses
+    connections fails the record, but the GPU stops generating what the budget no longer
+    takes."""
+    a, _ = two_sims
+    ledger.configure("away", Budget(1000, "output", "abort"))
+    rids = [new_rid("away", a) for _ in range(3)]
+    for rid in rids:
+        assert ledger.admit("away", rid, 100, 100) is Admission.ADMITTED
+    assert ledger.close("away", "manual").closed_now
+    gone = Store(sqlite_url)  # then pointed at a server that refuses connections
+    gone.engine = sa.create_engine(f"postgresql+psycopg://postgres@127.0.0.1:{free_port()}/x")
+    with ThreadPoolExecutor(3) as pool:
+        futures = [start(pool, a, rid) for rid in rids]
+        running(a, 3)
+        with pytest.raises(OperationalError):
+            after_close("away", store=gone, ledger=ledger, app=None, client=SGLangClient((a,)))
+        answers = [f.result(timeout=10) for f in futures]
+    assert [x["meta_info"]["finish_reason"]["type"] for x in answers] == ["abort"] * 3
+    assert stats(a)["abort_calls"] == 3

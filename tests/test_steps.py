@@ -12,6 +12,7 @@ from typing import Any
 import pytest
 from sqlalchemy.exc import OperationalError
 
+from common.budget import Budget
 from common.ledger import Charge, ChargeResult, Ledger
 from common.settings import Settings
 from common.store import Store
@@ -161,3 +162,28 @@ def test_a_failed_shared_ack_leaves_each_task_its_own(
     ctx.ack_settled = down
     assert run_all(ctx, "ackdown", 4) == [Outcome.DONE] * 4
     assert store.prompt_counts("ackdown") == {"done": 4}
+
+
+def test_a_database_outage_at_the_crossing_still_records_the_close(
+    settings: Settings, store: Store, ledger: Ledger, sim: str, tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch) -> None:
+    """The crossing task is the only one that knows of the close: if it gave up on the SQL
+    record, its retry would find its sample done and SQL would show the dataset open."""
+    enqueue_paths(settings, [str(write_dataset(tmp_path, "cross", 3))],
+                  budget=Budget(1, "output", "drain"))
+    ctx = WorkerContext.build(settings)
+    real, failures = ctx.store.record_close, [2]
+
+    def flaky(*args: Any) -> Any:
+        if failures[0]:
+            failures[0] -= 1
+            raise OperationalError("UPDATE", {}, Exception("server closed the connection"))
+        return real(*args)
+
+    monkeypatch.setattr(ctx.store, "record_close", flaky)
+    monkeypatch.setattr("workers.pipeline.time.sleep", lambda s: None)
+    assert run_sample(ctx, "cross", "cross-0") is Outcome.DONE
+    assert failures == [0]
+    assert store.dataset("cross").state == "closed"
+    assert store.dataset("cross").close_reason == "budget"
+    assert run_sample(ctx, "cross", "cross-1") is Outcome.CLOSED

@@ -118,7 +118,10 @@ def keep(ctx: WorkerContext, ds: DatasetRow, sample_id: str, completion: Complet
     if charge.crossed:
         log.info("dataset %s crossed its budget at %d tokens; purged %d queued",
                  ds.name, charge.used_tokens, charge.purged)
-        after_close(ds.name, store=ctx.store, ledger=ctx.ledger, app=ctx.app, client=ctx.client)
+        # Only this task knows the crossing: a retry of it would find its sample done and
+        # leave the close unrecorded in SQL, so it waits out a database restart here.
+        with_db_retry(lambda: after_close(ds.name, store=ctx.store, ledger=ctx.ledger,
+                                          app=ctx.app, client=ctx.client))
     return Outcome.DONE if inserted else Outcome.DUPLICATE
 
 
