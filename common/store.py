@@ -119,9 +119,9 @@ def _run_as_written(engine: sa.Engine, sql: str, params: tuple[Any, ...],
     A single statement needs no transaction, so it runs in autocommit: no BEGIN before it,
     no COMMIT after it. It goes to psycopg on a pooled connection directly: through a
     SQLAlchemy connection with the autocommit option, the worker spent 2-9% more CPU a
-    sample (docs/PERFORMANCE.md, "Eighth round"). ``binary``: the rows come in PostgreSQL's
-    binary format, where a bytea as text is hex, twice its size (a prompt read returns
-    every prompt's token ids).
+    sample (docs/PERFORMANCE_EXPERIMENTS.md, "Eighth round"). ``binary``: the rows come
+    in PostgreSQL's binary format, where a bytea as text is hex, twice its size (a prompt
+    read returns every prompt's token ids).
     """
     import psycopg
 

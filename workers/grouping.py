@@ -64,7 +64,7 @@ class GroupCall(Generic[T, R]):
     worker of 64 threads, a thread hand-off and a turn at the GIL each.) The chain is for
     the GIL's queue: callers woken together would all wait for it at once, ahead of the
     consumer thread that takes the worker's next message, and that one thread paces a
-    worker at full rate (docs/PERFORMANCE.md, "Fourth round").
+    worker at full rate (docs/PERFORMANCE_EXPERIMENTS.md, "Fourth round").
     """
 
     def __init__(self, batch: Callable[[list[T]], Outcomes[R]], max_group: int,
