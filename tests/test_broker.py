@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import threading
 from pathlib import Path
 
@@ -11,7 +12,16 @@ from kombu import Connection, Queue
 from common import broker
 from common.celery_app import make_celery
 from common.keys import KOMBU_UNACKED, KOMBU_UNACKED_INDEX
+from common.ledger_scripts import POP_RECORDED
 from tests.conftest import REDIS_URL, make_settings
+
+
+def _publish(conn: Connection, queue: Queue, n: int) -> None:
+    """Messages {"n": 0} to {"n": n - 1}, in order."""
+    with conn.Producer() as producer:
+        for k in range(n):
+            producer.publish({"n": k}, routing_key=queue.name, declare=[queue],
+                             serializer="json")
 
 
 def test_the_app_uses_it_for_redis_urls_and_kombus_own_for_tls(tmp_path: Path) -> None:
@@ -45,10 +55,7 @@ def test_messages_are_delivered_and_acked_from_many_threads(redis_client: redis.
     queue = Queue("broker-test")
     bodies = [{"n": n} for n in range(200)]
     with Connection(REDIS_URL, transport=broker.TRANSPORT) as conn:
-        with conn.Producer() as producer:
-            for body in bodies:
-                producer.publish(body, routing_key=queue.name, declare=[queue],
-                                 serializer="json")
+        _publish(conn, queue, len(bodies))
         received, errors = [], []
         with conn.SimpleQueue(queue) as simple:
             messages = [simple.get(timeout=5) for _ in bodies]
@@ -79,10 +86,7 @@ def test_settled_messages_leave_the_unacked_set_together_and_their_acks_stay_loc
 ) -> None:
     queue = Queue("broker-settled")
     with Connection(REDIS_URL, transport=broker.TRANSPORT) as conn:
-        with conn.Producer() as producer:
-            for n in range(12):
-                producer.publish({"n": n}, routing_key=queue.name, declare=[queue],
-                                 serializer="json")
+        _publish(conn, queue, 12)
         with conn.SimpleQueue(queue) as simple:
             messages = [simple.get(timeout=5) for _ in range(12)]
             chan = simple.channel
@@ -120,3 +124,79 @@ def test_a_reject_after_the_shared_ack_forgets_the_tag(redis_client: redis.Redis
             # Its result is stored: nothing comes back to the queue, and nothing is kept.
             assert message.delivery_tag not in broker.QoS.removed
             assert redis_client.llen(queue.name) == 0
+
+
+def _consume(conn: Connection, queue: Queue, want: int, prefetch: int) -> tuple[list, int]:
+    """Messages delivered to a consumer (left unacked) and the drain_events calls it took."""
+    got: list = []
+    with conn.Consumer(queue, callbacks=[lambda body, message: got.append(message)],
+                       accept=["json"]) as consumer:
+        consumer.qos(prefetch_count=prefetch)
+        rounds = 0
+        while len(got) < want and rounds < 4 * want:
+            rounds += 1
+            conn.drain_events(timeout=5)
+    return got, rounds
+
+
+def test_queued_messages_come_in_batches_each_recorded_as_unacked_with_its_pop(
+    redis_client: redis.Redis,
+) -> None:
+    queue = Queue("broker-batch")
+    with Connection(REDIS_URL, transport=broker.TRANSPORT) as conn:
+        _publish(conn, queue, 40)
+        got, rounds = _consume(conn, queue, 40, prefetch=64)
+        chan = got[0].channel
+        assert sorted(m.payload["n"] for m in got) == list(range(40))
+        # One BRPOP, then up to BATCH_MAX more a round trip, instead of a BRPOP each.
+        assert rounds <= -(-40 // (broker.BATCH_MAX + 1)) + 1, rounds
+        assert redis_client.llen(queue.name) == 0
+        # Each record is the one kombu writes on delivery, so kombu and the reaper restore
+        # it as they restore any other.
+        records = redis_client.hgetall(chan.unacked_key)
+        assert sorted(records) == sorted(m.delivery_tag.encode() for m in got)
+        assert redis_client.zcard(chan.unacked_index_key) == 40
+        for m in got:
+            payload, exchange, routing_key = json.loads(records[m.delivery_tag.encode()])
+            assert payload == m._raw
+            assert (exchange, routing_key) == (m.delivery_info["exchange"],
+                                               m.delivery_info["routing_key"])
+        for m in got[:20]:
+            m.ack()
+        assert redis_client.hlen(chan.unacked_key) == 20
+        # A consumer that dies now leaves its 20 unacked messages to be restored: all come
+        # back, once each.
+        for m in got[20:]:
+            chan.qos.restore_by_tag(m.delivery_tag)
+        restored = [json.loads(raw)["properties"]["delivery_tag"]
+                    for raw in redis_client.lrange(queue.name, 0, -1)]
+        assert sorted(restored) == sorted(m.delivery_tag for m in got[20:])
+        assert redis_client.hlen(chan.unacked_key) == 0
+        redis_client.delete(queue.name, chan.unacked_key, chan.unacked_index_key)
+
+
+def test_a_batch_takes_no_more_than_the_prefetch_room(redis_client: redis.Redis) -> None:
+    queue = Queue("broker-room")
+    with Connection(REDIS_URL, transport=broker.TRANSPORT) as conn:
+        _publish(conn, queue, 30)
+        got, _ = _consume(conn, queue, 5, prefetch=5)
+        assert len(got) == 5
+        assert redis_client.llen(queue.name) == 25
+        assert redis_client.hlen(got[0].channel.unacked_key) == 5
+        redis_client.delete(queue.name, got[0].channel.unacked_key,
+                            got[0].channel.unacked_index_key)
+
+
+def test_the_batched_pop_puts_back_what_it_cannot_read(redis_client: redis.Redis) -> None:
+    pop = redis_client.register_script(POP_RECORDED)
+    key, index, unacked = "broker-unreadable", "broker-test-index", "broker-test-unacked"
+    redis_client.delete(key, index, unacked)
+    redis_client.lpush(key, "not json", '{"properties": {}}')  # the second lacks a tag
+    for _ in range(2):
+        assert pop(keys=[index, unacked, key], args=[1.0, 5]) == []
+        assert redis_client.lrange(key, 0, -1) == [b'{"properties": {}}', b"not json"]
+    redis_client.rpop(key)
+    assert pop(keys=[index, unacked, key], args=[1.0, 5]) == []
+    assert redis_client.lrange(key, 0, -1) == [b'{"properties": {}}']
+    assert not redis_client.exists(index, unacked)
+    redis_client.delete(key)
