@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import redis
 from sqlalchemy.exc import OperationalError
 
 from common.budget import Budget
@@ -164,23 +165,27 @@ def test_a_failed_shared_ack_leaves_each_task_its_own(
     assert store.prompt_counts("ackdown") == {"done": 4}
 
 
-def test_a_database_outage_at_the_crossing_still_records_the_close(
+@pytest.mark.parametrize("away", ["database", "redis"])
+def test_an_outage_at_the_crossing_still_records_the_close(
     settings: Settings, store: Store, ledger: Ledger, sim: str, tmp_path: Path,
-    monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch: pytest.MonkeyPatch, away: str) -> None:
     """The crossing task is the only one that knows of the close: if it gave up on the SQL
     record, its retry would find its sample done and SQL would show the dataset open."""
     enqueue_paths(settings, [str(write_dataset(tmp_path, "cross", 3))],
                   budget=Budget(1, "output", "drain"))
     ctx = WorkerContext.build(settings)
-    real, failures = ctx.store.record_close, [2]
+    owner, name = (ctx.store, "record_close") if away == "database" else (ctx.ledger, "state")
+    real, failures = getattr(owner, name), [2]
 
     def flaky(*args: Any) -> Any:
         if failures[0]:
             failures[0] -= 1
+            if away == "redis":
+                raise redis.ConnectionError("Connection refused")
             raise OperationalError("UPDATE", {}, Exception("server closed the connection"))
         return real(*args)
 
-    monkeypatch.setattr(ctx.store, "record_close", flaky)
+    monkeypatch.setattr(owner, name, flaky)
     monkeypatch.setattr("workers.pipeline.time.sleep", lambda s: None)
     assert run_sample(ctx, "cross", "cross-0") is Outcome.DONE
     assert failures == [0]

@@ -119,9 +119,11 @@ def keep(ctx: WorkerContext, ds: DatasetRow, sample_id: str, completion: Complet
         log.info("dataset %s crossed its budget at %d tokens; purged %d queued",
                  ds.name, charge.used_tokens, charge.purged)
         # Only this task knows the crossing: a retry of it would find its sample done and
-        # leave the close unrecorded in SQL, so it waits out a database restart here.
+        # leave the close unrecorded in SQL and its aborts unsent, so it waits out a
+        # database or Redis restart here.
         with_db_retry(lambda: after_close(ds.name, store=ctx.store, ledger=ctx.ledger,
-                                          app=ctx.app, client=ctx.client))
+                                          app=ctx.app, client=ctx.client),
+                      retry_on=(OperationalError, redis.RedisError))
     return Outcome.DONE if inserted else Outcome.DUPLICATE
 
 
@@ -147,15 +149,19 @@ def _aborted(
                          server=completion.server)
 
 
-def with_db_retry(fn: Any, window_s: float = DB_RETRY_WINDOW_S) -> Any:
-    """Wait out a database restart rather than lose a generated sample."""
+def with_db_retry(fn: Any, window_s: float = DB_RETRY_WINDOW_S,
+                  retry_on: tuple[type[Exception], ...] = (OperationalError,)) -> Any:
+    """Wait out a database restart (or what else ``retry_on`` names) rather than lose a
+    generated sample."""
     deadline, delay = time.monotonic() + window_s, 0.5
     while True:
         try:
             return fn()
-        except OperationalError as exc:
+        except retry_on as exc:
             if time.monotonic() > deadline:
                 raise
-            log.warning("database unavailable (%s); retrying in %.1fs", exc.orig, delay)
+            log.warning("%s unavailable (%s); retrying in %.1fs",
+                        "Redis" if isinstance(exc, redis.RedisError) else "database",
+                        getattr(exc, "orig", exc), delay)
             time.sleep(delay)
             delay = min(delay * 2, 15.0)
