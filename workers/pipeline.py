@@ -26,7 +26,7 @@ from workers.context import WorkerContext
 from workers.steps import DEFAULT_EXPECTED_TOKENS
 
 log = logging.getLogger(__name__)
-DB_RETRY_WINDOW_S = 600.0
+OUTAGE_WINDOW_S = 600.0
 
 
 class Outcome(StrEnum):
@@ -106,7 +106,7 @@ def keep(ctx: WorkerContext, ds: DatasetRow, sample_id: str, completion: Complet
         return Outcome.DISCARDED
     if row is not None and isinstance(settled.error, (OperationalError, InterfaceError)):
         # Charged, but the database was away: store this row alone once it is back.
-        inserted = with_db_retry(lambda: ctx.results.save(row))
+        inserted = wait_out_outage(lambda: ctx.results.save(row))
     elif settled.error is not None:
         raise settled.error
     else:
@@ -121,7 +121,7 @@ def keep(ctx: WorkerContext, ds: DatasetRow, sample_id: str, completion: Complet
         # Only this task knows the crossing: a retry of it would find its sample done and
         # leave the close unrecorded in SQL and its aborts unsent, so it waits out a
         # database or Redis restart here.
-        with_db_retry(lambda: after_close(ds.name, store=ctx.store, ledger=ctx.ledger,
+        wait_out_outage(lambda: after_close(ds.name, store=ctx.store, ledger=ctx.ledger,
                                           app=ctx.app, client=ctx.client),
                       retry_on=(OperationalError, redis.RedisError))
     return Outcome.DONE if inserted else Outcome.DUPLICATE
@@ -149,10 +149,10 @@ def _aborted(
                          server=completion.server)
 
 
-def with_db_retry(fn: Any, window_s: float = DB_RETRY_WINDOW_S,
-                  retry_on: tuple[type[Exception], ...] = (OperationalError,)) -> Any:
-    """Wait out a database restart (or what else ``retry_on`` names) rather than lose a
-    generated sample."""
+def wait_out_outage(fn: Any, window_s: float = OUTAGE_WINDOW_S,
+                    retry_on: tuple[type[Exception], ...] = (OperationalError,)) -> Any:
+    """Call ``fn`` until it gets past a database restart (or the other outages ``retry_on``
+    names), for up to ``window_s``, rather than lose a generated sample."""
     deadline, delay = time.monotonic() + window_s, 0.5
     while True:
         try:
