@@ -2,8 +2,9 @@
 
 A prompt stored as ``queued`` in SQL should have a message in its queue, or unacked in
 the transport (reserved by a worker, or in flight). Redis can lose one: a Redis restart
-without persistence, or a worker killed in the instant between kombu's BRPOP and its
-record of the message as unacked. SQL remembers; this finds the difference.
+without persistence, or a message taken by a consumer that records it apart from its pop
+(kombu's own BRPOP, on ``rediss://`` URLs; see common/broker.py) and dies in between.
+SQL remembers; this finds the difference.
 """
 
 from __future__ import annotations

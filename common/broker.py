@@ -8,11 +8,13 @@ threads (each command checks a connection out of the pool), so one client per po
 the same work. kombu drops its pools after a connection error and builds new ones, so
 the shared client is rebuilt whenever the pool under it is not the current one.
 
-A message that reaches the worker by BRPOP is followed, while more are queued and the
-prefetch allows, by up to ``BATCH_MAX`` others in one script call that pops each one and
-records it as unacked in the same atomic step (``POP_RECORDED``): kombu spends a BRPOP
-and a separate record on every message, and leaves it out of both its list and the
-unacked hash between the two.
+Every message reaches a worker through one script call (``POP_RECORDED``) that pops up
+to ``BATCH_MAX`` of them, within the prefetch room, and records each one as unacked in the
+same atomic step. kombu takes each message with its own BRPOP and records it with a
+second round trip once the reply is read, so a worker killed between the two loses the
+message (nothing in Redis holds it any more), and a warm shutdown drops one still unread
+in the socket. With the script a message is always in its queue or in the unacked hash,
+where the reaper (workers/liveness.py) finds a dead worker's messages.
 
 It also lets a worker ack the messages of tasks that settled together in one round trip
 (``ack_settled``): the tasks' own acks then only do kombu's local bookkeeping. An ack is
@@ -27,6 +29,7 @@ from __future__ import annotations
 
 import logging
 import time
+from queue import Empty
 from typing import Any, ClassVar
 
 import redis
@@ -36,7 +39,7 @@ from kombu.transport import virtual
 from kombu.utils.encoding import bytes_to_str
 from kombu.utils.json import loads
 
-from common.keys import KOMBU_UNACKED, KOMBU_UNACKED_INDEX
+from common.keys import CONSUMER_WAIT, KOMBU_UNACKED, KOMBU_UNACKED_INDEX, UNREADABLE
 from common.ledger_scripts import POP_RECORDED
 
 log = logging.getLogger(__name__)
@@ -91,40 +94,91 @@ def ack_settled(client: redis.Redis, tags: list[str]) -> None:
 
 
 BATCH_MAX = 16
+# How long an idle consumer waits before it looks at its queues again: the most a message
+# published to an empty queue waits for a worker with room.
+IDLE_WAIT_S = 0.1
 
 
 class Channel(kombu_redis.Channel):  # type: ignore[misc]
     QoS = QoS
     _shared_client: Any = None
     _pop_script: Any = None
+    # The reply kombu's loop waits for on this channel's connection: "PING" or "BRPOP".
+    _pending: str = "BRPOP"
+    _delivered_last: bool = False
+    _pop_failing: bool = False
+
+    def _brpop_start(self, timeout: float | None = None) -> None:
+        """Take what is queued, then leave kombu's loop one reply to wait for.
+
+        kombu sends a BRPOP here and records the message it returns as unacked only once
+        the reply is read: a worker killed in between loses that message, and a warm
+        shutdown drops one still unread in the socket. Here every message comes by
+        ``POP_RECORDED``, which records it with its pop, so a message is always in its
+        queue or in the unacked hash. The reply left pending never carries a message: a
+        PING after a batch (room may be left), or after none a BRPOP on a key nothing
+        fills, which is the idle consumer's wait before it looks again.
+        """
+        queues = self._queue_cycle.consume(len(self.active_queues))
+        if not queues:
+            return
+        delivered = self._pop_recorded(queues)
+        self._delivered_last = delivered > 0
+        command: list[str | float] = (["PING"] if delivered
+                                      else ["BRPOP", CONSUMER_WAIT, IDLE_WAIT_S])
+        self._pending = str(command[0])
+        self._in_poll = self.client.connection
+        self._brpop_sent_at = time.monotonic()  # type: ignore[assignment]
+        self.client.connection.send_command(*command)
 
     def _brpop_read(self, **options: Any) -> bool:
-        delivered = super()._brpop_read(**options)
-        if delivered:
-            self._deliver_more()
-        return bool(delivered)
+        try:
+            try:
+                self.client.parse_response(self.client.connection, self._pending, **options)
+            except self.connection_errors:
+                # The reply carried no message, so nothing went with it: the next round
+                # reconnects. kombu raises here, and Celery restarts the consumer, which
+                # puts back in the queue every message the worker holds, tasks running
+                # included; it still does when the reconnect fails (Redis away).
+                self.client.connection.disconnect()
+                raise Empty() from None
+        finally:
+            self._in_poll = None  # type: ignore[assignment]
+            self._flush_brpop_reauth()
+        if not self._delivered_last:
+            raise Empty()
+        return True
 
-    def _deliver_more(self) -> None:
-        """After a BRPOP's message, take what else is queued, up to the prefetch room, in
-        one round trip (a BRPOP and kombu's record each cost one a message)."""
-        room = min(self.qos.can_consume_max_estimate() or 0, BATCH_MAX)
-        # In the cycle's order, as the BRPOP takes them: the queue served last comes last.
-        queues = self._queue_cycle.consume(len(self.active_queues))
-        if room <= 0 or not queues:
-            return
+    def _pop_recorded(self, queues: list[str]) -> int:
+        """Pop and record up to the prefetch room (at most ``BATCH_MAX``) and deliver them;
+        returns how many."""
+        room = self.qos.can_consume_max_estimate()
+        room = BATCH_MAX if room is None else min(room, BATCH_MAX)
+        if room <= 0:
+            return 0
         keys = [self._q_for_pri(q, pri) for pri in self.priority_steps for q in queues]
         try:
             with self.conn_or_acquire() as client:
                 if self._pop_script is None or self._pop_script.registered_client is not client:
                     self._pop_script = client.register_script(POP_RECORDED)
-                reply = self._pop_script(keys=[self.unacked_index_key, self.unacked_key, *keys],
-                                         args=[time.time(), room])
+                popped, unreadable = self._pop_script(
+                    keys=[self.unacked_index_key, self.unacked_key, UNREADABLE, *keys],
+                    args=[time.time(), room])
         except redis.RedisError as exc:
-            # What the script popped is recorded as unacked with it, so a reply lost here
-            # leaves those messages to the reaper, not lost; the next BRPOP goes on as usual.
-            log.warning("batched pop failed (%s); messages come one by one meanwhile", exc)
-            return
-        for key, raw in zip(reply[::2], reply[1::2], strict=True):
+            # A script refused (a full server) popped nothing; one whose reply was lost
+            # left what it popped recorded, for the reaper. Either way the consumer looks
+            # again after the idle wait, on its own connection, which reconnects (a
+            # consumer restart, which requeues every message it holds) only when Redis is
+            # really away.
+            if not self._pop_failing:
+                log.warning("taking messages failed (%s); trying again", exc)
+            self._pop_failing = True
+            return 0
+        self._pop_failing = False
+        if unreadable:
+            log.error("%d queued messages could not be read; moved to the Redis list %s",
+                      unreadable, UNREADABLE)
+        for key, raw in zip(popped[::2], popped[1::2], strict=True):
             payload = loads(bytes_to_str(raw))
             tag = payload["properties"]["delivery_tag"]
             queue = bytes_to_str(key).rsplit(self.sep, 1)[0]
@@ -136,6 +190,7 @@ class Channel(kombu_redis.Channel):  # type: ignore[misc]
                 # Normally taken by the delivery's append; a delivery that failed before it
                 # leaves the message to the reaper, and its tag must not skip a later record.
                 QoS.recorded.discard(tag)
+        return len(popped) // 2
 
     def _create_client(self, asynchronous: bool = False) -> Any:
         if asynchronous:

@@ -27,6 +27,10 @@ No other module spells a key string; tests import these functions too.
     datagen:reaper                        string  the worker reaping dead ones    20 s
     datagen:sweeper                       string  the worker re-enqueueing lost    5 min
                                                   prompts (SQL queued, not in Redis)
+    datagen:unreadable                    list    workers' pop: messages it could  none
+                                                  not read, moved off their queue
+    datagen:consumer-wait                 list    never written: idle consumers    -
+                                                  BRPOP it as their wait
     datagen.q.{name} (+ kombu's \\x06\\x16{3,6,9} priority lists)
                                           list    kombu (Celery's Redis transport)
     unacked                               hash    kombu: delivery tag -> message  none
@@ -46,6 +50,10 @@ PREFIX = "datagen"
 DATASETS = f"{PREFIX}:datasets"
 WORKERS = f"{PREFIX}:workers"
 REAPER_LOCK = f"{PREFIX}:reaper"
+# Messages a worker's pop could not read (common/broker.py), kept for a person to look at.
+UNREADABLE = f"{PREFIX}:unreadable"
+# A list nothing pushes to: an idle consumer's BRPOP on it is its wait between looks.
+CONSUMER_WAIT = f"{PREFIX}:consumer-wait"
 SWEEPER_LOCK = f"{PREFIX}:sweeper"
 QUEUE_PREFIX = f"{PREFIX}.q."
 

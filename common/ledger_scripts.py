@@ -232,40 +232,42 @@ ADMIT_MANY = batched(ADMIT)
 CHARGE_MANY = batched(CHARGE)
 
 
-# Pops up to ARGV[2] messages from the queue lists in KEYS[3..] (a pass over the lists
-# takes one from each, in order) and records each one as kombu does on delivery: its
-# delivery tag in the unacked index (KEYS[1]) at ARGV[1], [message, exchange, routing
-# key] in the unacked hash (KEYS[2]). One atomic step: a message is never out of its list
-# without its record. A message it cannot read goes back to its list and ends the batch.
-# Returns {list, message, list, message, ...}.
+# Pops up to ARGV[2] messages (readable or not) from the queue lists in KEYS[4..] (a pass
+# over the lists takes one from each, in order) and records each one as kombu does on
+# delivery: its delivery tag in the unacked index (KEYS[1]) at ARGV[1], [message,
+# exchange, routing key] in the unacked hash (KEYS[2]). One atomic step: a message is
+# never out of its list without its record. A message it cannot read (no JSON, no
+# delivery tag) would stop its queue for good if it went back, and no worker could run
+# it: it moves to the list KEYS[3]. Returns {{list, message, list, message, ...}, number
+# of messages moved aside}.
 POP_RECORDED = """
-local want, out, n = tonumber(ARGV[2]), {}, 0
+local want, out, n, unreadable = tonumber(ARGV[2]), {}, 0, 0
 local found = true
-while n < want and found do
+while n + unreadable < want and found do
   found = false
-  for i = 3, #KEYS do
-    if n >= want then break end
+  for i = 4, #KEYS do
+    if n + unreadable >= want then break end
     local raw = redis.call('RPOP', KEYS[i])
     if raw then
+      found = true
       local ok, tag, exchange, key = pcall(function()
         local props = cjson.decode(raw)['properties']
         local info = props['delivery_info']
         return props['delivery_tag'], cjson.encode(info['exchange']),
                cjson.encode(info['routing_key'])
       end)
-      if not ok or type(tag) ~= 'string' then
-        -- Not a message this can read: back where it was, for kombu's own path.
-        redis.call('RPUSH', KEYS[i], raw)
-        return out
+      if ok and type(tag) == 'string' then
+        redis.call('ZADD', KEYS[1], ARGV[1], tag)
+        redis.call('HSET', KEYS[2], tag, '[' .. raw .. ',' .. exchange .. ',' .. key .. ']')
+        n = n + 1
+        out[#out + 1] = KEYS[i]
+        out[#out + 1] = raw
+      else
+        redis.call('LPUSH', KEYS[3], raw)
+        unreadable = unreadable + 1
       end
-      found = true
-      redis.call('ZADD', KEYS[1], ARGV[1], tag)
-      redis.call('HSET', KEYS[2], tag, '[' .. raw .. ',' .. exchange .. ',' .. key .. ']')
-      n = n + 1
-      out[#out + 1] = KEYS[i]
-      out[#out + 1] = raw
     end
   end
 end
-return out
+return {out, unreadable}
 """

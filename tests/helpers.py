@@ -2,17 +2,24 @@
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
 
+import redis
 import sqlalchemy as sa
 from celery import Celery
 from celery.contrib.testing.worker import start_worker
 
+from common.audit import sample_of
 from common.budget import Budget
 from common.celery_app import make_celery
+from common.keys import KOMBU_UNACKED, KOMBU_UNACKED_INDEX, WORKERS, dataset_keys, worker_tags
 from common.ledger import Ledger
+from common.replies import text, texts
 from common.schema import prompts, results
 from common.settings import Settings
 from common.store import Store
@@ -45,14 +52,17 @@ def enqueue_paths(
     return enqueuer.run(plans)
 
 
-def _redis(settings: Settings):  # type: ignore[no-untyped-def]
-    import redis
-
+def _redis(settings: Settings) -> redis.Redis:
     return redis.Redis.from_url(settings.redis_url)
 
 
-def wait_settled(store: Store, datasets: Sequence[str], timeout_s: float = 60.0) -> None:
-    """Until no prompt of these datasets is still queued (closed datasets excepted)."""
+def wait_settled(store: Store, datasets: Sequence[str], timeout_s: float = 60.0,
+                 client: redis.Redis | None = None, log: Path | None = None) -> None:
+    """Until no prompt of these datasets is still queued (closed datasets excepted).
+
+    With ``client`` (and the workers' ``log``), a run that does not settle says where each
+    stuck prompt's message is, so a rare failure in CI can be read from its output alone.
+    """
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         left = 0
@@ -63,7 +73,40 @@ def wait_settled(store: Store, datasets: Sequence[str], timeout_s: float = 60.0)
         if left == 0:
             return
         time.sleep(0.2)
-    raise AssertionError(f"run did not settle in {timeout_s}s: {left} prompts still queued")
+    where = "" if client is None else "\n" + where_stuck(store, client, datasets, log)
+    raise AssertionError(f"run did not settle in {timeout_s}s: {left} prompts still queued{where}")
+
+
+def where_stuck(store: Store, client: redis.Redis, datasets: Sequence[str],
+                log: Path | None = None) -> str:
+    """For each prompt still queued: its messages in the queues and the unacked hash (with
+    the workers whose heartbeat holds them), and the worker log's lines naming it."""
+    beats = {text(w): round(float(s), 1) for w, s in _scored(client, WORKERS)}
+    lines = [f"now {time.time():.1f}; workers' last beats: {beats}"]
+    holders: dict[str, list[str]] = {}
+    for worker in texts(client.zrange(WORKERS, 0, -1)):
+        for tag in texts(client.smembers(worker_tags(worker))):
+            holders.setdefault(tag, []).append(worker)
+    log_lines = log.read_text(errors="replace").splitlines() if log and log.exists() else []
+    for name in datasets:
+        for sample_id in store.sample_ids(name, "queued"):
+            lines.append(f"{name}/{sample_id}:")
+            for key in dataset_keys(name).queue_lists:
+                for raw in client.lrange(key, 0, -1):
+                    if sample_of(json.loads(raw)) == (name, sample_id):
+                        lines.append(f"  queued in {key!r}")
+            index = {text(t): float(s) for t, s in _scored(client, KOMBU_UNACKED_INDEX)}
+            for tag, raw in client.hscan_iter(KOMBU_UNACKED):
+                if sample_of(json.loads(raw)[0]) == (name, sample_id):
+                    t = text(tag)
+                    lines.append(f"  unacked {t} since {index.get(t)}, held by "
+                                 f"{holders.get(t, [])}")
+            lines += [f"  log: {line}" for line in log_lines if sample_id in line][-20:]
+    return "\n".join(lines)
+
+
+def _scored(client: redis.Redis, key: str) -> list[tuple[Any, Any]]:
+    return list(client.zrange(key, 0, -1, withscores=True))  # type: ignore[arg-type]
 
 
 def duplicate_results(store: Store) -> list[tuple[str, str, int]]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import threading
 from pathlib import Path
@@ -187,16 +188,68 @@ def test_a_batch_takes_no_more_than_the_prefetch_room(redis_client: redis.Redis)
                             got[0].channel.unacked_index_key)
 
 
-def test_the_batched_pop_puts_back_what_it_cannot_read(redis_client: redis.Redis) -> None:
+def test_a_message_is_recorded_as_unacked_before_it_reaches_the_worker(
+    redis_client: redis.Redis,
+) -> None:
+    """A worker killed at any instant leaves each message in its queue or the unacked hash:
+    with kombu's BRPOP, one popped and not yet recorded is in neither, and is lost."""
+    queue = Queue("broker-recorded")
+    seen: list[tuple[bool, int]] = []
+    with Connection(REDIS_URL, transport=broker.TRANSPORT) as conn:
+        _publish(conn, queue, 40)
+        deliver = conn.transport._deliver
+
+        def checked(message: dict, queue_name: str) -> None:
+            tag = message["properties"]["delivery_tag"]
+            seen.append((bool(redis_client.hexists(KOMBU_UNACKED, tag)),
+                         int(redis_client.zscore(KOMBU_UNACKED_INDEX, tag) or 0)))
+            deliver(message, queue_name)
+
+        conn.transport._deliver = checked
+        got, _ = _consume(conn, queue, 40, prefetch=64)
+        assert len(got) == 40 and len(seen) == 40
+        assert all(recorded and indexed for recorded, indexed in seen), seen
+        redis_client.delete(queue.name, KOMBU_UNACKED, KOMBU_UNACKED_INDEX)
+
+
+def test_an_idle_consumer_takes_a_message_published_while_it_waits(
+    redis_client: redis.Redis,
+) -> None:
+    queue = Queue("broker-idle")
+    with Connection(REDIS_URL, transport=broker.TRANSPORT) as conn:
+        with conn.Consumer(queue, callbacks=[], accept=["json"]) as consumer:
+            got: list = []
+            consumer.register_callback(lambda body, message: got.append(body))
+            consumer.qos(prefetch_count=4)
+            # Waits with nothing queued: each round ends empty.
+            for _ in range(3):
+                with contextlib.suppress(TimeoutError):
+                    conn.drain_events(timeout=0.3)
+            assert got == []
+            with Connection(REDIS_URL, transport=broker.TRANSPORT) as other:
+                _publish(other, queue, 1)
+            conn.drain_events(timeout=5)
+            assert got == [{"n": 0}]
+        redis_client.delete(queue.name, KOMBU_UNACKED, KOMBU_UNACKED_INDEX)
+
+
+def test_the_pop_moves_aside_what_it_cannot_read_and_goes_on(redis_client: redis.Redis) -> None:
     pop = redis_client.register_script(POP_RECORDED)
     key, index, unacked = "broker-unreadable", "broker-test-index", "broker-test-unacked"
-    redis_client.delete(key, index, unacked)
-    redis_client.lpush(key, "not json", '{"properties": {}}')  # the second lacks a tag
-    for _ in range(2):
-        assert pop(keys=[index, unacked, key], args=[1.0, 5]) == []
-        assert redis_client.lrange(key, 0, -1) == [b'{"properties": {}}', b"not json"]
-    redis_client.rpop(key)
-    assert pop(keys=[index, unacked, key], args=[1.0, 5]) == []
-    assert redis_client.lrange(key, 0, -1) == [b'{"properties": {}}']
-    assert not redis_client.exists(index, unacked)
-    redis_client.delete(key)
+    aside = "broker-test-aside"
+    redis_client.delete(key, index, unacked, aside)
+    good = json.dumps({"properties": {"delivery_tag": "t1", "delivery_info": {
+        "exchange": "", "routing_key": key}}})
+    # Taken from the right: "not json", then a message without a tag, then a good one.
+    redis_client.lpush(key, "not json", '{"properties": {}}', good)
+    popped, unreadable = pop(keys=[index, unacked, aside, key], args=[1.0, 5])
+    assert [popped, unreadable] == [[key.encode(), good.encode()], 2]
+    assert redis_client.lrange(aside, 0, -1) == [b'{"properties": {}}', b"not json"]
+    assert redis_client.llen(key) == 0
+    assert json.loads(redis_client.hget(unacked, "t1"))[0] == json.loads(good)
+    assert redis_client.zscore(index, "t1") == 1.0
+    # What it moves aside counts toward the batch: a queue of them is not emptied at once.
+    redis_client.lpush(key, *["junk"] * 5)
+    assert pop(keys=[index, unacked, aside, key], args=[1.0, 3]) == [[], 3]
+    assert redis_client.llen(key) == 2
+    redis_client.delete(key, index, unacked, aside)

@@ -83,7 +83,7 @@ def test_three_sigkills_across_two_workers_lose_nothing(
             recoveries.append(kill_and_time_recovery(redis_client, current, f"{slot}{i // 2}"))
             procs[slot] = start_worker(settings, f"{slot}{i // 2 + 1}", log)
         store = Store(settings.database_url)
-        wait_settled(store, names, timeout_s=120)
+        wait_settled(store, names, timeout_s=120, client=redis_client, log=log)
     finally:
         for p in procs.values():
             p.terminate()
