@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import json
 import threading
+import time
 from pathlib import Path
 
 import redis
@@ -229,6 +230,37 @@ def test_an_idle_consumer_takes_a_message_published_while_it_waits(
             with Connection(REDIS_URL, transport=broker.TRANSPORT) as other:
                 _publish(other, queue, 1)
             conn.drain_events(timeout=5)
+            assert got == [{"n": 0}]
+        redis_client.delete(queue.name, KOMBU_UNACKED, KOMBU_UNACKED_INDEX)
+
+
+def test_a_connection_lost_under_the_consumers_wait_costs_no_restart(
+    redis_client: redis.Redis,
+) -> None:
+    """The reply kombu's loop waits for carries no message, so losing it is not an error
+    for the consumer: it reconnects and goes on, where kombu's raises and Celery restarts
+    the consumer, putting back every message the worker holds."""
+    queue = Queue("broker-killed")
+    with Connection(REDIS_URL, transport=broker.TRANSPORT) as conn:
+        got: list = []
+        with conn.Consumer(queue, callbacks=[lambda body, message: got.append(body)],
+                           accept=["json"]) as consumer:
+            consumer.qos(prefetch_count=4)
+            with contextlib.suppress(TimeoutError):
+                conn.drain_events(timeout=0.3)
+            # The consumer's connection, the one whose last command is its wait's BRPOP:
+            # killed, the next read finds it closed.
+            db = str(redis_client.connection_pool.connection_kwargs.get("db", 0))
+            waiting = [c["id"] for c in redis_client.client_list()
+                       if c["cmd"] == "brpop" and c["db"] == db]
+            assert len(waiting) == 1, redis_client.client_list()
+            assert redis_client.client_kill_filter(_id=waiting[0]) == 1
+            with Connection(REDIS_URL, transport=broker.TRANSPORT) as other:
+                _publish(other, queue, 1)
+            deadline = time.monotonic() + 5
+            while not got and time.monotonic() < deadline:
+                with contextlib.suppress(TimeoutError):
+                    conn.drain_events(timeout=1)
             assert got == [{"n": 0}]
         redis_client.delete(queue.name, KOMBU_UNACKED, KOMBU_UNACKED_INDEX)
 
