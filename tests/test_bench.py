@@ -17,6 +17,7 @@ import redis
 import sqlalchemy as sa
 
 from ops.bench.__main__ import commands, parse
+from ops.bench.costs import RedisMonitor
 from ops.bench.harness import (
     BUNDLED_TOKENIZER,
     Processes,
@@ -195,6 +196,42 @@ def test_make_bench_runs_end_to_end_at_quick_scale(tmp_path: Path,
     marked = [case for case, v in results["guard"]["cases"].items() if v["reference"]]
     assert len(marked) == 1 and marked[0].endswith("every rid to every server"), marked
     assert "not run" not in done.stdout and "failed" not in done.stdout
+
+
+def test_the_redis_count_goes_on_after_a_quiet_second(redis_client: redis.Redis) -> None:
+    """A worker whose requests all take seconds sends nothing for seconds: the count must
+    still take what it sends after."""
+    with RedisMonitor(REDIS_URL) as mon:
+        time.sleep(1.2)
+        for k in range(3):
+            redis_client.set(f"bench-monitor-{k}", k)
+    redis_client.delete(*(f"bench-monitor-{k}" for k in range(3)))
+    assert mon.direct["SET"] == 3, mon.direct
+
+
+def test_the_fleet_projection_counts_costs_at_a_paced_rate(tmp_path: Path,
+                                                          redis_client: redis.Redis) -> None:
+    """The scaling benchmark, cut short: the paced run really is paced (a fraction of the
+    instant server's rate), its counts and an idle worker's are taken, and the projection
+    says which costs it uses."""
+    env = {**os.environ, "DATAGEN_BENCH_REDIS_URL": REDIS_URL,
+           "DATAGEN_BENCH_POSTGRES_URL": POSTGRES_URL, "DATAGEN_BENCH_DIR": str(tmp_path)}
+    done = subprocess.run(
+        [sys.executable, "-m", "ops.bench.scaling", "--quick", "--workers", "1",
+         "--samples", "300", "--cost-samples", "100", "--paced-samples", "64"],
+        env=env, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "(sqlite, costs paced)" in done.stdout, done.stdout[-3000:]
+    result = next(json.loads(line.split(" ", 1)[1]) for line in done.stdout.splitlines()
+                  if line.startswith("bench-result "))
+    full, paced = result["sqlite_x1"], result["paced_sqlite"]
+    # 64 answers at a time, each taking seconds: a few a second, where the instant server
+    # gives hundreds.
+    assert 0 < paced["rate"] < full["rate"]["median"] / 3, (paced, full)
+    counted = result["paced_costs_sqlite"]
+    assert counted["worker_redis"] > 0 and counted["worker_sql"] > 0, counted
+    # An idle worker still polls for work: its commands are counted, not assumed.
+    assert counted["idle_redis_per_s"] > 0, counted
 
 
 def test_a_benchmark_run_alone_makes_its_directory(tmp_path: Path) -> None:

@@ -23,29 +23,38 @@ from ops.bench.harness import POSTGRES_SA_URL, REDIS_URL
 
 
 class RedisMonitor:
-    """Counts commands sent to the bench DB; those run inside Lua scripts separately."""
+    """Counts commands sent to the bench DB; those run inside Lua scripts separately.
+
+    The reader blocks with no socket timeout: redis-py drops a connection whose read timed
+    out, which ended MONITOR at the first quiet half second and cut the count short
+    without a word (a worker whose requests all take seconds sends nothing for seconds).
+    Leaving, it wakes the reader with a PING of its own, and raises if the reader stopped
+    before then, so a short count is never reported."""
 
     def __init__(self, url: str = REDIS_URL) -> None:
-        self.client = redis.Redis.from_url(url, socket_timeout=0.5)
+        self.url = url
+        self.client = redis.Redis.from_url(url)
         self.db = int(self.client.connection_pool.connection_kwargs.get("db", 0))
         self.direct: Counter[str] = Counter()
         self.lua: Counter[str] = Counter()
+        self.failed: Exception | None = None
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True, name="bench-monitor")
 
     def _run(self) -> None:
-        with self.client.monitor() as mon:
-            while not self._stop.is_set():
-                try:
+        try:
+            with self.client.monitor() as mon:
+                while True:
                     cmd = mon.next_command()
-                except (redis.TimeoutError, TimeoutError):
-                    continue
-                except Exception:  # connection closed under us at the end: done
-                    return
-                if cmd.get("db") != self.db:
-                    continue
-                name = str(cmd.get("command", "")).split(" ", 1)[0].upper()
-                (self.lua if cmd.get("client_type") == "lua" else self.direct)[name] += 1
+                    if self._stop.is_set():
+                        return
+                    if cmd.get("db") != self.db:
+                        continue
+                    name = str(cmd.get("command", "")).split(" ", 1)[0].upper()
+                    (self.lua if cmd.get("client_type") == "lua" else self.direct)[name] += 1
+        except Exception as exc:  # reported by __exit__ unless it came after the stop
+            if not self._stop.is_set():
+                self.failed = exc
 
     def __enter__(self) -> RedisMonitor:
         self._thread.start()
@@ -55,7 +64,18 @@ class RedisMonitor:
     def __exit__(self, *exc: object) -> None:
         time.sleep(0.5)  # let the stream catch up
         self._stop.set()
+        waker = redis.Redis.from_url(self.url, socket_timeout=5)
+        try:
+            waker.ping()
+        finally:
+            waker.close()
         self._thread.join(5)
+        self.client.close()
+        if self._thread.is_alive():
+            raise RuntimeError("the MONITOR reader did not stop")
+        if self.failed is not None:
+            raise RuntimeError(f"MONITOR stopped early, so its count is short: "
+                               f"{self.failed!r}") from self.failed
 
 
 class SqlCounter:

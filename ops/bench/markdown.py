@@ -107,9 +107,16 @@ def _scaling(r: dict[str, Any]) -> str:
              [(k, s(v["rate"]), s(v["worker_cpu_pct"], 0), s(v["sim_cpu_pct"], 0),
                s(v["worker_cpu_ms_per_task"], 2))
               for k, v in r.items() if "_x" in k and not k.startswith("costs")])
+    paced = [(k.removeprefix("paced_"), f"{v['rate']:.1f}", f"{v['worker_cpu_ms_per_task']:.2f}")
+             for k, v in r.items() if k.startswith("paced_") and "costs" not in k]
+    if paced:
+        out += "\none worker at a paced rate:\n\n" + md(
+            ["db", "completions/s", "worker CPU ms/task"], paced)
     for k, v in r.items():
-        if k.startswith("costs_"):
-            out += f"\nper-task costs, {k[6:]}:\n\n" + md(
+        if k.startswith(("costs_", "paced_costs_")):
+            label = (f"{k.removeprefix('paced_costs_')}, paced" if k.startswith("paced_")
+                     else f"{k.removeprefix('costs_')}, full rate")
+            out += f"\nper-task costs, {label}:\n\n" + md(
                 ["figure", "per task"],
                 [(n, f"{x:.2f}") for n, x in v.items() if isinstance(x, int | float)])
     return out

@@ -2,7 +2,12 @@
 against an instant simulator, CPU per process, and the per-task Redis and SQL costs
 behind the 100-node projection in docs/PERFORMANCE.md.
 
-    python -m ops.bench.scaling [--quick] [--no-costs]
+The costs are counted twice: at full rate against the instant simulator, and at a
+paced rate against one that takes seconds per answer. A fleet's worker runs at the
+second kind of pace (a sample a second, not hundreds), where a freed slot takes one
+message and groups hold one sample, so the projection uses the paced counts.
+
+    python -m ops.bench.scaling [--quick] [--no-costs] [--paced-samples N]
 """
 
 from __future__ import annotations
@@ -30,6 +35,12 @@ from ops.bench.synth import enqueue, prompt_files
 NODE_TOK_S = 930.0  # one 8-GPU SGLang node, typical (shared/BRIEF.md)
 FLEET = 100
 SLOTS_PER_NODE = 48
+# The paced runs' simulator: every one of a worker's 64 requests runs at once, each
+# sequence decoding 4 tokens a second, so an answer of the mean 16 tokens takes 4 s and
+# one worker completes a few samples a second (the long answers hold their slots).
+PACED_TOK_S = 4.0
+PACED_MEAN_OUTPUT = 16
+IDLE_S = 3.0  # the window a worker with nothing queued is watched for
 
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
@@ -41,11 +52,15 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--reps", type=int, help="default 2")
     p.add_argument("--cost-samples", type=int, help="samples of the counting run (500)")
     p.add_argument("--no-costs", action="store_true", help="skip the per-task counting run")
+    p.add_argument("--paced-samples", type=int,
+                   help="samples of each paced run (default 320, quick 160; 0 skips them)")
     args = p.parse_args(argv)
     args.samples = args.samples or (600 if args.quick else 3000)
     args.dbs = args.dbs or ("sqlite" if args.quick else "sqlite,postgresql")
     args.reps = args.reps or (1 if args.quick else 2)
     args.cost_samples = args.cost_samples or (200 if args.quick else 500)
+    if args.paced_samples is None:
+        args.paced_samples = 160 if args.quick else 320
     return args
 
 
@@ -73,17 +88,22 @@ def count_costs(sim_url: str, kind: str, n: int) -> dict[str, Any]:
     pg0 = costs.pg_stats() if kind == "postgresql" else {}
     peak = 0
     app = create_app(settings)
-    with costs.RedisMonitor() as mon, costs.SqlCounter().counting() as sql, \
-            start_worker(app, pool="threads", concurrency=64, perform_ping_check=False,
-                         shutdown_timeout=30):
-        watch(sim_url, n, {}, 300)
-        peak = costs.pg_connections() if kind == "postgresql" else 0
-        time.sleep(1.0)  # the last stores; no polling of SQL inside the counted window
+    with start_worker(app, pool="threads", concurrency=64, perform_ping_check=False,
+                      shutdown_timeout=30):
+        with costs.RedisMonitor() as mon, costs.SqlCounter().counting() as sql:
+            watch(sim_url, n, {}, 300)
+            peak = costs.pg_connections() if kind == "postgresql" else 0
+            time.sleep(1.0)  # the last stores; no polling of SQL inside the counted window
+        # Nothing queued now: what a worker costs Redis while it waits for work.
+        with costs.RedisMonitor() as idle:
+            time.sleep(IDLE_S)
     store = Store(settings.database_url)
     wait_until(lambda: settled(store), 60, 0.5)
     store.engine.dispose()
     out["worker"] = {"redis": dict(mon.direct), "lua": dict(mon.lua),
                      "sql": dict(sql.statements), "commits": sql.commits}
+    out["idle_redis_per_s"] = {k: v / IDLE_S for k, v in
+                               (idle.direct + idle.lua).items()}
     if pg0:
         pg1 = costs.pg_stats()
         out["worker"]["pg"] = {k: pg1[k] - pg0[k] for k in pg0}
@@ -91,7 +111,7 @@ def count_costs(sim_url: str, kind: str, n: int) -> dict[str, Any]:
     return out
 
 
-def show_costs(kind: str, n: int, c: dict[str, Any]) -> dict[str, float]:
+def show_costs(label: str, n: int, c: dict[str, Any]) -> dict[str, float]:
     totals: dict[str, float] = {}
     rows = []
     for phase in ("producer", "worker"):
@@ -111,7 +131,12 @@ def show_costs(kind: str, n: int, c: dict[str, Any]) -> dict[str, float]:
         rows.append(("worker: PostgreSQL connections open (c=64)",
                      str(c["worker"]["pg_connections"]), ""))
         totals["pg_connections"] = c["worker"]["pg_connections"]
-    table(f"per-task costs, {kind} ({n} samples; Redis = commands sent, lua = run inside "
+    idle = c.get("idle_redis_per_s", {})
+    totals["idle_redis_per_s"] = sum(idle.values())
+    rows.append(("idle worker: Redis commands/s (sent and in scripts)",
+                 f"{totals['idle_redis_per_s']:.1f}",
+                 ", ".join(f"{k} {v:.1f}" for k, v in sorted(idle.items(), key=lambda kv: -kv[1]))))
+    table(f"per-task costs, {label} ({n} samples; Redis = commands sent, lua = run inside "
           "scripts)", ["figure", "per task", "top commands per task"], rows)
     return totals
 
@@ -134,6 +159,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     counts = [int(w) for w in args.workers.split(",") if w]
     legs: dict[tuple[str, int], list[Leg]] = {}
     cost: dict[str, Any] = {}
+    paced: dict[str, Leg] = {}
+    paced_cost: dict[str, Any] = {}
     with Processes() as procs:
         url, proc = start_sim(procs, slots=256, decode=0, mean_output=16)
         for _ in range(args.reps):
@@ -143,11 +170,19 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                         scale_leg(procs, (url, proc.pid), kind, w, args.samples))
         if not args.no_costs:
             cost = {kind: count_costs(url, kind, args.cost_samples) for kind in kinds}
-    return report(args, legs, cost)
+        if args.paced_samples:
+            purl, pproc = start_sim(procs, slots=64, decode=PACED_TOK_S,
+                                    mean_output=PACED_MEAN_OUTPUT, name="sim-paced")
+            for kind in kinds:
+                paced[kind] = scale_leg(procs, (purl, pproc.pid), kind, 1, args.paced_samples)
+                if not args.no_costs:
+                    paced_cost[kind] = count_costs(purl, kind, args.paced_samples)
+    return report(args, legs, cost, paced, paced_cost)
 
 
 def report(args: argparse.Namespace, legs: dict[tuple[str, int], list[Leg]],
-           cost: dict[str, Any]) -> dict[str, Any]:
+           cost: dict[str, Any], paced: dict[str, Leg],
+           paced_cost: dict[str, Any]) -> dict[str, Any]:
     rows: list[tuple[Any, ...]] = []
     figures: dict[str, Any] = {}
     for (kind, w), runs in legs.items():
@@ -164,14 +199,36 @@ def report(args: argparse.Namespace, legs: dict[tuple[str, int], list[Leg]],
     table(f"scaling against an instant server: {args.samples} samples/leg, c=64 per worker, "
           f"{args.reps} reps (median [min-max])", ["db", "workers", "completions/s",
           "speedup", "workers CPU % (of one core)", "sim CPU %", "worker CPU ms/task"], rows)
+    if paced:
+        table(f"one worker at a paced rate: {args.paced_samples} samples, c=64, each sequence "
+              f"decoding {PACED_TOK_S:g} tok/s, mean output {PACED_MEAN_OUTPUT} tokens",
+              ["db", "completions/s",
+              "worker CPU % (of one core)", "worker CPU ms/task"],
+              [(kind, f"{leg.rate:.1f}",
+                f"{100 * leg.cpu_s['workers'] / leg.window_s:.1f}" if leg.window_s else "-",
+                f"{leg.cpu_ms_per_task('workers'):.2f}") for kind, leg in paced.items()])
+    for kind, leg in paced.items():
+        figures[f"paced_{kind}"] = {"rate": leg.rate,
+                                    "worker_cpu_ms_per_task": leg.cpu_ms_per_task("workers")}
+    totals_of: dict[str, dict[str, float]] = {}
     for kind, c in cost.items():
-        totals = show_costs(kind, args.cost_samples, c)
-        figures[f"costs_{kind}"] = {**totals, "raw": c}
-        cpu = figures.get(f"{kind}_x1", {}).get("worker_cpu_ms_per_task")
-        table(f"projection for {FLEET} SGLang nodes x {NODE_TOK_S:g} tok/s ({kind})",
+        totals_of[kind] = show_costs(f"{kind}, full rate", args.cost_samples, c)
+        figures[f"costs_{kind}"] = {**totals_of[kind], "raw": c}
+    for kind, c in paced_cost.items():
+        totals_of[kind] = show_costs(f"{kind}, paced", args.paced_samples, c)
+        figures[f"paced_costs_{kind}"] = {**totals_of[kind], "raw": c}
+    for kind, totals in totals_of.items():
+        # The projection takes the costs at the pace a fleet's worker runs at, when measured.
+        at_pace = kind in paced_cost
+        if at_pace:
+            cpu_ms = figures[f"paced_{kind}"]["worker_cpu_ms_per_task"]
+        else:
+            full = figures.get(f"{kind}_x1", {}).get("worker_cpu_ms_per_task")
+            cpu_ms = full.median if full else 0.0
+        table(f"projection for {FLEET} SGLang nodes x {NODE_TOK_S:g} tok/s ({kind}, costs "
+              f"{'paced' if at_pace else 'at full rate'})",
               ["mean output tokens", "tasks/s", "Redis commands/s", "SQL statements/s",
-               "worker cores needed", "workers at c=64"],
-              project(totals, cpu.median if cpu else 0.0))
+               "worker cores needed", "workers at c=64"], project(totals, cpu_ms))
     return figures
 
 
