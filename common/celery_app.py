@@ -29,6 +29,11 @@ def celery_config(settings: Settings) -> dict[str, Any]:
             "unacked_restore_interval": 10,
             "unacked_restore_throttle": 1,
             "queue_order_strategy": "round_robin",
+            # Every task is sent with priority 0, so kombu's three other lists per queue
+            # (steps 3, 6, 9) stay empty, and a worker's look for work would pop each of
+            # them in vain: with one step, a message of any priority goes to the queue's
+            # own list and a look costs one pop a queue. Purges still clear all four lists.
+            "priority_steps": [0],
             "socket_timeout": 30,
             "socket_connect_timeout": 5,
             "health_check_interval": 25,

@@ -58,7 +58,9 @@ SWEEPER_LOCK = f"{PREFIX}:sweeper"
 QUEUE_PREFIX = f"{PREFIX}.q."
 
 # kombu's Redis transport keeps one list per priority step: the bare queue name for
-# step 0 and ``name + sep + step`` for the others. A purge must delete all of them.
+# step 0 and ``name + sep + step`` for the others. ``celery_config`` keeps one step, so
+# every message goes to the bare name; a purge still deletes all four, for lists an
+# older version or another client filled.
 KOMBU_PRIORITY_SEP = "\x06\x16"
 KOMBU_PRIORITY_STEPS = (0, 3, 6, 9)
 # kombu's Redis transport keeps delivered, unacked messages under these names by default;

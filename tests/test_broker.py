@@ -40,6 +40,28 @@ def test_the_app_uses_it_for_redis_urls_and_kombus_own_for_tls(tmp_path: Path) -
     assert broker.transport_for("rediss://h:6380/0") is None
 
 
+def test_a_task_sent_with_a_priority_lands_in_the_one_list_a_worker_looks_at(
+    tmp_path: Path, redis_client: redis.Redis,
+) -> None:
+    """A worker's look for work pops one list a queue, so a task sent with a priority must
+    land in that list, and come from it to the consumer."""
+    app = make_celery(make_settings(f"sqlite:///{tmp_path / 'd.db'}", "http://127.0.0.1:1"))
+    queue = Queue("broker-priority")
+    try:
+        app.send_task("datagen.test-priority", args=[7], queue=queue.name, priority=9)
+        assert redis_client.llen(queue.name) == 1
+        assert redis_client.keys(f"{queue.name}?*") == []
+        got: list = []
+        with app.connection_for_read() as conn, conn.Consumer(
+                queue, callbacks=[lambda body, message: (got.append(body), message.ack())],
+                accept=["json"]):
+            conn.drain_events(timeout=5)
+        assert got and got[0][0] == [7], got
+    finally:
+        redis_client.delete(queue.name, KOMBU_UNACKED, KOMBU_UNACKED_INDEX,
+                            *redis_client.keys(f"{queue.name}?*"))
+
+
 def test_one_client_per_pool_rebuilt_with_the_pool(redis_client: redis.Redis) -> None:
     with Connection(REDIS_URL, transport=broker.TRANSPORT) as conn:
         chan = conn.default_channel
