@@ -147,7 +147,14 @@ def project(totals: dict[str, float], cpu_ms: float) -> list[tuple[Any, ...]]:
         tasks = FLEET * NODE_TOK_S / mean_out
         redis_ops = tasks * sum(totals.get(k, 0) for k in (
             "producer_redis", "worker_redis", "producer_lua", "worker_lua"))
-        sql = tasks * (totals.get("producer_sql", 0) + totals.get("worker_sql", 0))
+        worker_sql = totals.get("worker_sql", 0)
+        if "pg_xact_commit" in totals:
+            # The worker's group statements run on the psycopg connection directly, out of
+            # SQLAlchemy's sight; each is a transaction, so PostgreSQL's own count of those
+            # stands in for them.
+            worker_sql = max(worker_sql, totals["pg_xact_commit"]
+                             + totals.get("pg_xact_rollback", 0))
+        sql = tasks * (totals.get("producer_sql", 0) + worker_sql)
         rows.append((mean_out, f"{tasks:,.0f}", f"{redis_ops:,.0f}", f"{sql:,.0f}",
                      f"{tasks * cpu_ms / 1000:,.1f}", FLEET * SLOTS_PER_NODE // 64 + 1))
     return rows
