@@ -21,13 +21,17 @@ It also lets a worker ack the messages of tasks that settled together in one rou
 a blocking Redis call in the task's thread, and in a process of many threads each
 blocking call costs thread hand-offs on top of the round trip.
 
-Only the plain ``redis://`` scheme uses it: with an explicit transport kombu would skip
-what the ``rediss://`` scheme implies (TLS), so those URLs keep the stock transport.
+Both ``redis://`` and ``rediss://`` URLs use it. Named explicitly, a transport loses what
+kombu infers from the ``rediss`` scheme (TLS, unverified unless the URL says otherwise),
+so ``broker_ssl`` gives the app TLS options for those URLs: the URL's own ``ssl_*``
+parameters win, and without them the server's certificate is verified against the
+system's CAs, as redis-py does for the project's other Redis clients.
 """
 
 from __future__ import annotations
 
 import logging
+import ssl
 import time
 from queue import Empty
 from typing import Any, ClassVar
@@ -209,4 +213,11 @@ class Transport(kombu_redis.Transport):  # type: ignore[misc]
 
 def transport_for(url: str) -> str | None:
     """The transport to name in Celery's ``broker_transport`` for ``url`` (None: kombu's)."""
-    return TRANSPORT if url.startswith("redis://") else None
+    return TRANSPORT if url.startswith(("redis://", "rediss://")) else None
+
+
+def broker_ssl(url: str) -> dict[str, Any] | None:
+    """Celery's ``broker_use_ssl`` for ``url``: certificate checks on for ``rediss://``.
+
+    kombu reads the URL's ``ssl_*`` parameters over these."""
+    return {"ssl_cert_reqs": ssl.CERT_REQUIRED} if url.startswith("rediss://") else None

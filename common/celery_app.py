@@ -12,7 +12,7 @@ from typing import Any
 
 from celery import Celery
 
-from common.broker import transport_for
+from common.broker import broker_ssl, transport_for
 from common.settings import Settings
 
 GENERATE_TASK = "datagen.generate"
@@ -23,6 +23,7 @@ def celery_config(settings: Settings) -> dict[str, Any]:
     return {
         "broker_url": settings.redis_url,
         "broker_transport": transport_for(settings.redis_url),
+        "broker_use_ssl": broker_ssl(settings.redis_url),
         "broker_transport_options": {
             "visibility_timeout": settings.visibility_timeout_s,
             # kombu 5.7: sweep for expired unacked messages every 10 s instead of ~100 s.

@@ -97,6 +97,36 @@ class PrivateRedis:
         self.close()
 
 
+class PrivateTlsRedis(PrivateRedis):
+    """A redis-server that speaks TLS only, with a throw-away CA and server certificate
+    (openssl); ``url`` carries the CA, so clients verify the server."""
+
+    def start(self) -> str:
+        exe, openssl = shutil.which("redis-server"), shutil.which("openssl")
+        assert exe and openssl, "redis-server and openssl are needed"
+        d = Path(self.dir)
+        run = lambda *argv: subprocess.run([openssl, *argv], cwd=d, check=True,  # noqa: E731
+                                           capture_output=True)
+        run("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", "ca.key",
+            "-out", "ca.crt", "-days", "1", "-subj", "/CN=datagen-test-ca")
+        run("req", "-newkey", "rsa:2048", "-nodes", "-keyout", "server.key", "-out",
+            "server.csr", "-subj", "/CN=127.0.0.1")
+        (d / "ext.cnf").write_text("subjectAltName=IP:127.0.0.1\n")
+        run("x509", "-req", "-in", "server.csr", "-CA", "ca.crt", "-CAkey", "ca.key",
+            "-CAcreateserial", "-out", "server.crt", "-days", "1", "-extfile", "ext.cnf")
+        self.url = (f"rediss://127.0.0.1:{self.port}/0"
+                    f"?ssl_cert_reqs=required&ssl_ca_certs={d / 'ca.crt'}")
+        self.proc = subprocess.Popen(
+            [exe, "--port", "0", "--tls-port", str(self.port), "--bind", "127.0.0.1",
+             "--tls-cert-file", "server.crt", "--tls-key-file", "server.key",
+             "--tls-ca-cert-file", "ca.crt", "--tls-auth-clients", "no", "--save", "",
+             "--appendonly", "no", "--dir", self.dir, "--logfile", str(d / "redis.log")],
+            cwd=d, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        )
+        wait_for(lambda: answers(self.url), 10, f"TLS redis-server on port {self.port}", 0.05)
+        return self.url
+
+
 class Workers:
     """``datagen worker`` subprocesses, as operators run them, logging into one file."""
 

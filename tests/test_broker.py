@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import ssl
 import threading
 import time
 from pathlib import Path
@@ -16,6 +17,7 @@ from common.celery_app import make_celery
 from common.keys import KOMBU_UNACKED, KOMBU_UNACKED_INDEX
 from common.ledger_scripts import POP_RECORDED
 from tests.conftest import REDIS_URL, make_settings
+from tests.faultkit import PrivateTlsRedis
 
 
 def _publish(conn: Connection, queue: Queue, n: int) -> None:
@@ -37,7 +39,48 @@ def test_the_app_uses_it_for_redis_urls_and_kombus_own_for_tls(tmp_path: Path) -
         # Logs name the broker as users wrote it ("Cannot connect to redis://...").
         assert conn.as_uri().startswith("redis://")
     assert broker.transport_for("redis://h:6379/0") == broker.TRANSPORT
-    assert broker.transport_for("rediss://h:6380/0") is None
+    assert broker.transport_for("rediss://h:6380/0") == broker.TRANSPORT
+    assert broker.transport_for("sentinel://h:26379") is None
+
+
+def test_a_rediss_url_verifies_the_server_unless_the_url_says_otherwise(tmp_path: Path) -> None:
+    """Named explicitly, the transport loses kombu's TLS set-up from the ``rediss`` scheme
+    (which would not verify the server): the app's own options turn TLS on, verified."""
+    db = f"sqlite:///{tmp_path / 'd.db'}"
+
+    def ssl_of(url: str) -> object:
+        app = make_celery(make_settings(db, "http://127.0.0.1:1", redis_url=url))
+        with app.connection_for_write() as conn:
+            return conn.ssl
+
+    assert ssl_of("redis://127.0.0.1:6379/0") in (None, False)
+    assert ssl_of("rediss://h:6380/0") == {"ssl_cert_reqs": ssl.CERT_REQUIRED}
+    assert ssl_of("rediss://h:6380/0?ssl_cert_reqs=none") == {"ssl_cert_reqs": ssl.CERT_NONE}
+
+
+def test_a_rediss_broker_takes_and_records_messages_over_tls(tmp_path: Path) -> None:
+    """The pop-and-record path over TLS: a task sent through a ``rediss://`` URL reaches the
+    consumer, recorded as unacked in the same step, and its ack clears the record."""
+    with PrivateTlsRedis() as server:
+        app = make_celery(make_settings(f"sqlite:///{tmp_path / 'd.db'}", "http://127.0.0.1:1",
+                                        redis_url=server.url))
+        client = redis.Redis.from_url(server.url)
+        queue = Queue("broker-tls")
+        app.send_task("datagen.test-tls", args=[1], queue=queue.name)
+        seen: list = []
+
+        def take(body: object, message: object) -> None:
+            seen.append((body, client.hlen(KOMBU_UNACKED)))
+            message.ack()  # type: ignore[attr-defined]
+
+        with app.connection_for_read() as conn:
+            assert isinstance(conn.default_channel, broker.Channel)
+            with conn.Consumer(queue, callbacks=[take], accept=["json"]) as consumer:
+                consumer.qos(prefetch_count=4)
+                conn.drain_events(timeout=5)
+        assert [(body[0], held) for body, held in seen] == [([1], 1)], seen  # type: ignore[index]
+        assert client.hlen(KOMBU_UNACKED) == 0
+        client.close()
 
 
 def test_a_task_sent_with_a_priority_lands_in_the_one_list_a_worker_looks_at(

@@ -23,7 +23,7 @@ from common.ledger import Ledger
 from common.schema import prompts
 from common.store import Store
 from tests.conftest import make_settings
-from tests.faultkit import PrivateRedis, Sim, Workers, sim_faults, wait_for
+from tests.faultkit import PrivateRedis, PrivateTlsRedis, Sim, Workers, sim_faults, wait_for
 from tests.faultkit_checks import settle
 from tests.faultkit_pg import PrivatePostgres
 from tests.faultkit_producer import producer_kill
@@ -66,6 +66,18 @@ def test_worker_sigkills_lose_nothing_and_leave_no_reservation(
     out.check.assert_ok()  # every prompt settled once, counters = SQL, no reservation left
     assert len(out.faults) == 2 and all("SIGKILL" in f for f in out.faults)
     assert out.check.states == {"done": 200}
+    assert max(out.recovery_s) < RECOVERY_LIMIT_S, out.recovery_s
+
+
+def test_worker_sigkills_over_tls_lose_nothing(tmp_path: Path) -> None:
+    """``rediss://`` takes the same transport as ``redis://``: the workers, the producer
+    and the reaper reach a TLS-only Redis that they verify, and killed workers lose
+    nothing."""
+    with PrivateTlsRedis() as server, Sim(tmp_path / "sim.jsonl", **PACED) as sim:
+        stack = _stack(tmp_path, f"sqlite:///{tmp_path / 'db.sqlite'}", server, sim)
+        out = worker_kill(stack, per_dataset=100, kills=2)
+    out.check.assert_ok()
+    assert len(out.faults) == 2 and out.check.states == {"done": 200}
     assert max(out.recovery_s) < RECOVERY_LIMIT_S, out.recovery_s
 
 
