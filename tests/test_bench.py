@@ -230,8 +230,9 @@ def test_the_fleet_projection_counts_costs_at_a_paced_rate(tmp_path: Path,
     assert 0 < paced["rate"] < full["rate"]["median"] / 3, (paced, full)
     counted = result["paced_costs_sqlite"]
     assert counted["worker_redis"] > 0 and counted["worker_sql"] > 0, counted
-    # An idle worker still polls for work: its commands are counted, not assumed.
+    # An idle worker still polls for work: its commands and CPU are measured, not assumed.
     assert counted["idle_redis_per_s"] > 0, counted
+    assert paced["idle_worker_core_pct"] > 0, paced
 
 
 def test_a_benchmark_run_alone_makes_its_directory(tmp_path: Path) -> None:

@@ -107,11 +107,13 @@ def _scaling(r: dict[str, Any]) -> str:
              [(k, s(v["rate"]), s(v["worker_cpu_pct"], 0), s(v["sim_cpu_pct"], 0),
                s(v["worker_cpu_ms_per_task"], 2))
               for k, v in r.items() if "_x" in k and not k.startswith("costs")])
-    paced = [(k.removeprefix("paced_"), f"{v['rate']:.1f}", f"{v['worker_cpu_ms_per_task']:.2f}")
+    paced = [(k.removeprefix("paced_"), f"{v['rate']:.1f}", f"{v['worker_cpu_ms_per_task']:.2f}",
+              s(v.get("idle_worker_core_pct"), 1))
              for k, v in r.items() if k.startswith("paced_") and "costs" not in k]
     if paced:
         out += "\none worker at a paced rate:\n\n" + md(
-            ["db", "completions/s", "worker CPU ms/task"], paced)
+            ["db", "completions/s", "worker CPU ms/task", "then idle: worker CPU % of a core"],
+            paced)
     for k, v in r.items():
         if k.startswith(("costs_", "paced_costs_")):
             label = (f"{k.removeprefix('paced_costs_')}, paced" if k.startswith("paced_")

@@ -16,16 +16,19 @@ import argparse
 import time
 from typing import Any
 
+from common.settings import Settings
 from common.store import Store
 from ops.bench import costs
 from ops.bench.harness import (
     Processes,
     bench_settings,
     clean_workdir,
+    cpu_seconds,
     fresh_db,
     fresh_redis,
     sim_reset,
     start_sim,
+    start_worker,
     wait_until,
 )
 from ops.bench.report import Summary, emit, table
@@ -41,6 +44,7 @@ SLOTS_PER_NODE = 48
 PACED_TOK_S = 4.0
 PACED_MEAN_OUTPUT = 16
 IDLE_S = 3.0  # the window a worker with nothing queued is watched for
+IDLE_CPU_S = 10.0  # the window a worker subprocess with nothing queued is timed for
 
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
@@ -64,11 +68,27 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
-def scale_leg(procs: Processes, sim: tuple[str, int], kind: str, workers: int, n: int) -> Leg:
+def scale_leg(procs: Processes, sim: tuple[str, int], kind: str, workers: int, n: int, *,
+              idle: bool = False) -> Leg:
     fresh_redis()
     settings = bench_settings(fresh_db(kind, "scaling"), sim[0], 64)
     enqueue(settings, prompt_files(n), max_new_tokens=1024)
-    return pipeline_leg(procs, f"{kind} x{workers}", settings, sim, n, workers=workers)
+    leg = pipeline_leg(procs, f"{kind} x{workers}", settings, sim, n, workers=workers)
+    if idle:
+        leg.extra["idle_worker_core_pct"] = idle_cpu(procs, settings)
+    return leg
+
+
+def idle_cpu(procs: Processes, settings: Settings) -> float:
+    """% of one core that a worker uses with its datasets known and their queues empty."""
+    proc = start_worker(procs, settings, settings.concurrency, tag="worker-idle")
+    try:
+        time.sleep(3.0)  # its start-up, not counted
+        cpu, started = cpu_seconds(proc.pid), time.monotonic()
+        time.sleep(IDLE_CPU_S)
+        return 100 * (cpu_seconds(proc.pid) - cpu) / (time.monotonic() - started)
+    finally:
+        procs.stop(proc)
 
 
 def count_costs(sim_url: str, kind: str, n: int) -> dict[str, Any]:
@@ -181,7 +201,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             purl, pproc = start_sim(procs, slots=64, decode=PACED_TOK_S,
                                     mean_output=PACED_MEAN_OUTPUT, name="sim-paced")
             for kind in kinds:
-                paced[kind] = scale_leg(procs, (purl, pproc.pid), kind, 1, args.paced_samples)
+                paced[kind] = scale_leg(procs, (purl, pproc.pid), kind, 1, args.paced_samples,
+                                        idle=True)
                 if not args.no_costs:
                     paced_cost[kind] = count_costs(purl, kind, args.paced_samples)
     return report(args, legs, cost, paced, paced_cost)
@@ -210,13 +231,16 @@ def report(args: argparse.Namespace, legs: dict[tuple[str, int], list[Leg]],
         table(f"one worker at a paced rate: {args.paced_samples} samples, c=64, each sequence "
               f"decoding {PACED_TOK_S:g} tok/s, mean output {PACED_MEAN_OUTPUT} tokens",
               ["db", "completions/s",
-              "worker CPU % (of one core)", "worker CPU ms/task"],
+              "worker CPU % (of one core)", "worker CPU ms/task",
+              f"then idle for {IDLE_CPU_S:g} s: worker CPU %"],
               [(kind, f"{leg.rate:.1f}",
                 f"{100 * leg.cpu_s['workers'] / leg.window_s:.1f}" if leg.window_s else "-",
-                f"{leg.cpu_ms_per_task('workers'):.2f}") for kind, leg in paced.items()])
+                f"{leg.cpu_ms_per_task('workers'):.2f}",
+                f"{leg.extra['idle_worker_core_pct']:.1f}") for kind, leg in paced.items()])
     for kind, leg in paced.items():
         figures[f"paced_{kind}"] = {"rate": leg.rate,
-                                    "worker_cpu_ms_per_task": leg.cpu_ms_per_task("workers")}
+                                    "worker_cpu_ms_per_task": leg.cpu_ms_per_task("workers"),
+                                    "idle_worker_core_pct": leg.extra["idle_worker_core_pct"]}
     totals_of: dict[str, dict[str, float]] = {}
     for kind, c in cost.items():
         totals_of[kind] = show_costs(f"{kind}, full rate", args.cost_samples, c)
