@@ -50,14 +50,18 @@ class PrivateRedis:
         self.proc: subprocess.Popen[bytes] | None = None
         self.url = f"redis://127.0.0.1:{self.port}/0"
 
+    def _listen(self) -> list[str]:
+        """redis-server's arguments for where and how it listens."""
+        return ["--port", str(self.port)]
+
     def start(self) -> str:
         exe = shutil.which("redis-server")
         assert exe, "redis-server is not installed"
         log = Path(self.dir) / "redis.log"
         self.proc = subprocess.Popen(
-            [exe, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
+            [exe, *self._listen(), "--bind", "127.0.0.1", "--save", "",
              "--appendonly", "no", "--dir", self.dir, "--logfile", str(log)],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+            cwd=self.dir, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
         )
         wait_for(lambda: answers(self.url), 10, f"redis-server on port {self.port}", 0.05)
         return self.url
@@ -99,14 +103,18 @@ class PrivateRedis:
 
 class PrivateTlsRedis(PrivateRedis):
     """A redis-server that speaks TLS only, with a throw-away CA and server certificate
-    (openssl); ``url`` carries the CA, so clients verify the server."""
+    (openssl, made once for all its restarts); ``url`` carries the CA, so clients verify
+    the server."""
 
-    def start(self) -> str:
-        exe, openssl = shutil.which("redis-server"), shutil.which("openssl")
-        assert exe and openssl, "redis-server and openssl are needed"
+    def __init__(self, port: int | None = None) -> None:
+        super().__init__(port)
+        openssl = shutil.which("openssl")
+        assert openssl, "openssl is not installed"
         d = Path(self.dir)
-        run = lambda *argv: subprocess.run([openssl, *argv], cwd=d, check=True,  # noqa: E731
-                                           capture_output=True)
+
+        def run(*argv: str) -> None:
+            subprocess.run([openssl, *argv], cwd=d, check=True, capture_output=True)
+
         run("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", "ca.key",
             "-out", "ca.crt", "-days", "1", "-subj", "/CN=datagen-test-ca")
         run("req", "-newkey", "rsa:2048", "-nodes", "-keyout", "server.key", "-out",
@@ -116,15 +124,11 @@ class PrivateTlsRedis(PrivateRedis):
             "-CAcreateserial", "-out", "server.crt", "-days", "1", "-extfile", "ext.cnf")
         self.url = (f"rediss://127.0.0.1:{self.port}/0"
                     f"?ssl_cert_reqs=required&ssl_ca_certs={d / 'ca.crt'}")
-        self.proc = subprocess.Popen(
-            [exe, "--port", "0", "--tls-port", str(self.port), "--bind", "127.0.0.1",
-             "--tls-cert-file", "server.crt", "--tls-key-file", "server.key",
-             "--tls-ca-cert-file", "ca.crt", "--tls-auth-clients", "no", "--save", "",
-             "--appendonly", "no", "--dir", self.dir, "--logfile", str(d / "redis.log")],
-            cwd=d, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-        )
-        wait_for(lambda: answers(self.url), 10, f"TLS redis-server on port {self.port}", 0.05)
-        return self.url
+
+    def _listen(self) -> list[str]:
+        return ["--port", "0", "--tls-port", str(self.port), "--tls-cert-file", "server.crt",
+                "--tls-key-file", "server.key", "--tls-ca-cert-file", "ca.crt",
+                "--tls-auth-clients", "no"]
 
 
 class Workers:

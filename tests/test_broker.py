@@ -28,7 +28,7 @@ def _publish(conn: Connection, queue: Queue, n: int) -> None:
                              serializer="json")
 
 
-def test_the_app_uses_it_for_redis_urls_and_kombus_own_for_tls(tmp_path: Path) -> None:
+def test_the_app_uses_it_for_redis_and_rediss_urls(tmp_path: Path) -> None:
     app = make_celery(make_settings(f"sqlite:///{tmp_path / 'd.db'}", "http://127.0.0.1:1"))
     with app.connection_for_write() as conn:
         assert isinstance(conn.default_channel, broker.Channel)
@@ -64,7 +64,7 @@ def test_a_rediss_broker_takes_and_records_messages_over_tls(tmp_path: Path) -> 
     with PrivateTlsRedis() as server:
         app = make_celery(make_settings(f"sqlite:///{tmp_path / 'd.db'}", "http://127.0.0.1:1",
                                         redis_url=server.url))
-        client = redis.Redis.from_url(server.url)
+        client = server.client()
         queue = Queue("broker-tls")
         app.send_task("datagen.test-tls", args=[1], queue=queue.name)
         seen: list = []

@@ -61,7 +61,7 @@ class RedisMonitor:
         time.sleep(0.3)
         return self
 
-    def __exit__(self, *exc: object) -> None:
+    def __exit__(self, exc_type: object, *exc: object) -> None:
         time.sleep(0.5)  # let the stream catch up
         self._stop.set()
         waker = redis.Redis.from_url(self.url, socket_timeout=5)
@@ -71,6 +71,8 @@ class RedisMonitor:
             waker.close()
         self._thread.join(5)
         self.client.close()
+        if exc_type is not None:
+            return  # the body's own error is the one to see
         if self._thread.is_alive():
             raise RuntimeError("the MONITOR reader did not stop")
         if self.failed is not None:
