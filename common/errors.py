@@ -2,6 +2,7 @@
 
     DatagenError
     ├── ConfigError            bad settings, flags or manifest: the command cannot start
+    │   └── StoreMismatch      Redis holds the queues and ledgers of another database
     ├── InputError             a prompt file or dataset name that cannot be used
     ├── UnknownDatasetError    a command named a dataset the store does not know
     ├── ServiceUnavailable     Redis or the database does not answer
@@ -20,6 +21,10 @@ class DatagenError(Exception):
 
 
 class ConfigError(DatagenError):
+    pass
+
+
+class StoreMismatch(ConfigError):
     pass
 
 

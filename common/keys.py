@@ -4,6 +4,9 @@ No other module spells a key string; tests import these functions too.
 
     key                                   type    written by                      TTL
     ------------------------------------  ------  ------------------------------  ----
+    datagen:store                         string  the first command to pair this  none
+                                                  Redis with a results database:
+                                                  that database's store_id
     datagen:datasets                      set     producer (SADD name)            none
     datagen:ds:{name}:ledger              hash    Lua only (ledger.py)            none
         used           tokens charged so far on the dataset's basis
@@ -47,6 +50,8 @@ from dataclasses import dataclass
 from common.names import validate_dataset_name
 
 PREFIX = "datagen"
+# The store_id of the SQL database whose queues and ledgers this Redis holds (pairing.py).
+STORE_ID = f"{PREFIX}:store"
 DATASETS = f"{PREFIX}:datasets"
 WORKERS = f"{PREFIX}:workers"
 REAPER_LOCK = f"{PREFIX}:reaper"

@@ -13,7 +13,7 @@ from redis.commands.core import Script
 
 from common import ledger_scripts as lua
 from common.budget import Budget
-from common.keys import DATASETS, dataset_keys
+from common.keys import DATASETS, STORE_ID, dataset_keys
 from common.replies import text, texts
 
 
@@ -174,6 +174,23 @@ class Ledger:
 
     def is_closed(self, name: str) -> bool:
         return text(self.redis.hget(dataset_keys(name).ledger, "state")) == "closed"
+
+    def pair(self, store_id: str) -> str:
+        """Record ``store_id`` as this Redis's database unless one is recorded already;
+        returns the one recorded now."""
+        # Read first: once paired (every call but the first) that is the only command.
+        theirs = self.paired_store()
+        if theirs is not None:
+            return theirs
+        if self.redis.set(STORE_ID, store_id, nx=True):
+            return store_id
+        # Another process paired it between the two commands; nothing changes the key
+        # after that (a flush removes it, and the next command pairs again).
+        return self.paired_store() or store_id
+
+    def paired_store(self) -> str | None:
+        value = self.redis.get(STORE_ID)
+        return None if value is None else text(value)
 
     def known(self) -> list[str]:
         return sorted(texts(self.redis.smembers(DATASETS)))

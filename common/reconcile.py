@@ -1,6 +1,7 @@
 """Rebuild the Redis ledger from SQL, the source of truth.
 
-Run on every ``datagen enqueue`` and worker start. It only adds what Redis lacks (a
+Run on every ``datagen enqueue`` and worker start, after pairing the Redis with the
+database (common/pairing.py). It only adds what Redis lacks (a
 stored result not yet charged, a close not yet known), so it is safe while workers run,
 and after a Redis restart that lost everything it restores every counter and state.
 """
@@ -12,6 +13,7 @@ from dataclasses import dataclass
 
 from common.closing import after_close
 from common.ledger import Ledger
+from common.pairing import pair
 from common.store import Store
 
 log = logging.getLogger(__name__)
@@ -26,6 +28,18 @@ class Reconciled:
 
 
 def reconcile_dataset(store: Store, ledger: Ledger, name: str) -> Reconciled:
+    # A Redis that lost everything mid-run is paired again here; another database's is
+    # refused before anything of it is merged.
+    pair(store, ledger)
+    return _reconcile(store, ledger, name)
+
+
+def reconcile_all(store: Store, ledger: Ledger) -> list[Reconciled]:
+    pair(store, ledger)
+    return [_reconcile(store, ledger, name) for name in store.dataset_names()]
+
+
+def _reconcile(store: Store, ledger: Ledger, name: str) -> Reconciled:
     row = store.dataset(name)
     added = ledger.absorb(name, store.result_costs(name, row.budget))
     result = ledger.configure(name, row.budget)
@@ -37,6 +51,3 @@ def reconcile_dataset(store: Store, ledger: Ledger, name: str) -> Reconciled:
         log.info("ledger of %s: added %d tokens stored in SQL but missing in Redis", name, added)
     return Reconciled(name, added, result.closed_now, result.purged)
 
-
-def reconcile_all(store: Store, ledger: Ledger) -> list[Reconciled]:
-    return [reconcile_dataset(store, ledger, name) for name in store.dataset_names()]

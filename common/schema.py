@@ -1,6 +1,8 @@
 """The SQL schema, in one place. SQLAlchemy Core; created on first use.
 
 Tables:
+  meta      facts about the database itself, one row each: today its ``store_id``, which
+            the Redis holding its queues and ledgers records (common/pairing.py).
   datasets  one row per dataset: its budget terms, sampling, tokenizer, and its close.
   prompts   one row per (dataset, sample_id): the templated prompt and its state
             (queued, done, failed, skipped) with the last error.
@@ -26,6 +28,13 @@ PROMPT_STATES = ("queued", "done", "failed", "skipped")
 def utcnow() -> datetime:
     return datetime.now(UTC)
 
+
+meta = sa.Table(
+    "meta",
+    metadata,
+    sa.Column("key", sa.String(64), primary_key=True),
+    sa.Column("value", sa.String(200), nullable=False),
+)
 
 datasets = sa.Table(
     "datasets",

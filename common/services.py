@@ -8,6 +8,7 @@ import redis
 
 from common.errors import ServiceUnavailable
 from common.ledger import Ledger
+from common.pairing import pair
 from common.settings import Settings
 from common.store import Store
 
@@ -38,4 +39,7 @@ def connect_redis(settings: Settings) -> redis.Redis:
 
 
 def connect(settings: Settings) -> tuple[Store, Ledger]:
-    return Store(settings.database_url), Ledger(connect_redis(settings))
+    """The store and its ledger; StoreMismatch if the Redis holds another database's."""
+    store, ledger = Store(settings.database_url), Ledger(connect_redis(settings))
+    pair(store, ledger)
+    return store, ledger

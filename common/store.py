@@ -15,7 +15,7 @@ from sqlalchemy.dialects import sqlite
 from common.budget import Budget
 from common.db import insert_ignore, make_engine
 from common.errors import UnknownDatasetError
-from common.schema import datasets, prompts, results, utcnow
+from common.schema import datasets, meta, prompts, results, utcnow
 from common.tokenids import unpack
 
 
@@ -267,6 +267,23 @@ class Store:
     def __init__(self, url: str) -> None:
         self.url = url
         self.engine = make_engine(url)
+
+    def describe(self) -> str:
+        """The database's URL without its password, for messages."""
+        return self.engine.url.render_as_string(hide_password=True)
+
+    @functools.cached_property
+    def store_id(self) -> str:
+        """This database's own id, made by whichever process asks first and never changed.
+
+        A copy or a restore of the database keeps it; a new database (a deleted SQLite
+        file, another PostgreSQL database) has another.
+        """
+        with self.engine.begin() as conn:
+            # Two processes may ask at once: the first insert wins, both read its value.
+            conn.execute(insert_ignore(self.engine, meta).values(key="store_id",
+                                                                 value=uuid.uuid4().hex))
+            return str(conn.scalar(sa.select(meta.c.value).where(meta.c.key == "store_id")))
 
     # -- datasets -------------------------------------------------------------------------
 

@@ -2,7 +2,8 @@
 
 The simulator stands in for a GPU SGLang server; results go to SQLite (datagen.db unless
 DATAGEN_DATABASE_URL says otherwise); Redis is the configured one, or a private
-redis-server started for the run when none answers. Running it again resumes: nothing
+redis-server started for the run when none answers or the configured one holds another
+database's queues and ledgers (common/pairing.py). Running it again resumes: nothing
 done is generated twice.
 """
 
@@ -16,13 +17,16 @@ import time
 from contextlib import ExitStack
 from pathlib import Path
 
+import redis
 import sqlalchemy as sa
 from rich.console import Console
 from rich.live import Live
 from rich.table import Table
 
 from common.console import make_console
-from common.services import connect
+from common.ledger import Ledger
+from common.pairing import paired_elsewhere
+from common.services import connect, safe_url
 from common.settings import Settings
 from common.store import Store
 from ops.localredis import LocalRedis, answers
@@ -106,14 +110,27 @@ def _show_query(settings: Settings, console: Console) -> None:
     console.print(table)
 
 
+def _why_a_private_redis(settings: Settings) -> str | None:
+    """Why the configured Redis cannot serve this run, or None when it can."""
+    if not answers(settings.redis_url):
+        return "no Redis answered"
+    store = Store(settings.database_url)
+    if paired_elsewhere(store, Ledger(redis.Redis.from_url(settings.redis_url))):
+        # Another checkout's or an earlier, deleted database's run: left alone, not merged.
+        return (f"the Redis at {safe_url(settings.redis_url)} holds another results "
+                f"database's queues and ledgers, not {store.describe()}'s")
+    return None
+
+
 def run_demo(args: argparse.Namespace, settings: Settings) -> int:
     console = make_console()
     with ExitStack() as stack:
-        if not answers(settings.redis_url):
+        why = _why_a_private_redis(settings)
+        if why:
             local = LocalRedis()
             stack.callback(local.stop)
             settings = settings.replace(redis_url=local.start())
-            console.print(f"no Redis answered; started a private one at {settings.redis_url}")
+            console.print(f"{why}; started a private one at {settings.redis_url}")
         sim_url = _start_sim(stack)
         settings = settings.replace(sglang_urls=(sim_url,), tokenizer=str(BUNDLED_TOKENIZER))
         console.print(f"simulated SGLang (stands in for a GPU server) at {sim_url}; "

@@ -11,6 +11,11 @@ from pathlib import Path
 import redis
 import sqlalchemy as sa
 
+from common.budget import Budget
+from common.keys import DATASETS
+from common.ledger import Ledger
+from common.pairing import pair
+from common.store import Store
 from tests.conftest import REDIS_URL
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -53,3 +58,28 @@ def test_the_demo_runs_end_to_end_then_resumes_without_generating_twice(
     again = run_demo(db_file)
     assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
     assert stored(db_file) == after_first
+
+
+def test_the_demo_leaves_a_redis_of_another_database_alone_and_runs_on_its_own(
+    redis_client: redis.Redis, tmp_path: Path
+) -> None:
+    # Another checkout's run on the same Redis database: its `code` closed at 9,000 tokens.
+    elsewhere = Store(f"sqlite:///{tmp_path / 'elsewhere.db'}")
+    ledger = Ledger(redis_client)
+    pair(elsewhere, ledger)
+    ledger.configure("code", Budget(tokens=6000))
+    ledger.absorb("code", [(f"code-{i}", 300) for i in range(30)])
+    ledger.close("code", "budget")
+    before = ledger.state("code")
+
+    db_file = tmp_path / "datagen.db"
+    run = run_demo(db_file)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    assert "holds another results database's queues and ledgers" in run.stdout
+    assert "started a private one at redis://127.0.0.1:" in run.stdout
+    results = stored(db_file)
+    # This run's own ledgers: code generated until its own 6,000 tokens, not closed at 0.
+    assert results["chat"][:2] == (60, 60) and results["math"][:2] == (60, 60)
+    assert 0 < results["code"][1] < 60 and results["code"][2] >= 6000
+    assert ledger.state("code") == before and ledger.paired_store() == elsewhere.store_id
+    assert redis_client.scard(DATASETS) == 1

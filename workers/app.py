@@ -14,6 +14,7 @@ import redis
 from celery import Celery, signals
 
 from common.celery_app import make_celery
+from common.errors import StoreMismatch
 from common.reconcile import reconcile_all
 from common.settings import Settings
 from workers.context import get_context
@@ -37,7 +38,14 @@ def create_app(settings: Settings) -> Celery:
 def prepare(app: Celery) -> None:
     """Before consuming: rebuild the ledger from SQL and say which servers are down."""
     ctx = get_context(app)
-    for r in reconcile_all(ctx.store, ctx.ledger):
+    try:
+        reconciled = reconcile_all(ctx.store, ctx.ledger)
+    except StoreMismatch as exc:
+        # Logged plainly, without a traceback: an error raised in this signal would only
+        # be logged too. The consumer's start refuses the same Redis and ends the worker.
+        log.error("%s", exc)
+        return
+    for r in reconciled:
         if r.tokens_added or r.closed_now:
             log.info("reconciled %s: +%d tokens, closed now: %s", r.name, r.tokens_added,
                      r.closed_now)

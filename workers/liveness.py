@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import json
 import logging
+import os
+import signal
 import threading
 import time
 from typing import Any
@@ -22,7 +24,7 @@ import redis
 from celery import Celery
 
 from common.audit import requeue_lost
-from common.errors import ConfigError
+from common.errors import ConfigError, StoreMismatch
 from common.keys import (
     KOMBU_UNACKED,
     KOMBU_UNACKED_INDEX,
@@ -34,6 +36,7 @@ from common.keys import (
     worker_tags,
 )
 from common.ledger import Ledger
+from common.pairing import pair
 from common.publish import Publisher
 from common.replies import texts
 from workers.context import get_context
@@ -203,6 +206,8 @@ class Heartbeat:
     def _run(self) -> None:
         while True:
             try:
+                if not self._still_paired():
+                    return
                 self.client.zadd(WORKERS, {self.worker: time.time()})
                 tags = self.received.drain()
                 if tags:
@@ -217,6 +222,19 @@ class Heartbeat:
             self._maybe_sweep()
             if self._stop.wait(self.interval_s):
                 return
+
+    def _still_paired(self) -> bool:
+        """Pair a Redis that lost everything again within a beat; stop this worker if it
+        was paired with another database meanwhile (its queues are not ours to take)."""
+        ctx = get_context(self.app)
+        try:
+            pair(ctx.store, ctx.ledger)
+        except StoreMismatch as exc:
+            log.error("%s; stopping this worker", exc)
+            # A warm shutdown: tasks already running end as they would at any stop.
+            os.kill(os.getpid(), signal.SIGTERM)
+            return False
+        return True
 
     def _publish_rids(self) -> None:
         """Replace this worker's published rids in one transaction, so that a reaper never

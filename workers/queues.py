@@ -15,6 +15,7 @@ from celery import bootsteps
 
 from common.keys import queue_name
 from common.ledger import Ledger
+from common.pairing import pair
 from workers.context import get_context
 
 log = logging.getLogger(__name__)
@@ -32,7 +33,11 @@ class DatasetQueues(bootsteps.StartStopStep):
         self._thread: threading.Thread | None = None
 
     def start(self, c: Any) -> None:
-        led = get_context(c.app).ledger
+        ctx = get_context(c.app)
+        # Before subscribing to anything: a Redis that holds another database's queues
+        # stops the worker here (raised from a bootstep, Celery exits with code 1).
+        pair(ctx.store, ctx.ledger)
+        led = ctx.ledger
         consuming = {q.name for q in c.task_consumer.queues}
         for name in led.known():
             if queue_name(name) not in consuming:

@@ -1,0 +1,149 @@
+"""A Redis holds the queues and ledgers of one results database: commands and workers
+refuse a Redis paired with another database instead of merging its state into theirs,
+a Redis that lost everything is paired again, and state from before pairing is kept."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import redis
+
+from common.budget import Budget
+from common.errors import StoreMismatch
+from common.keys import STORE_ID, dataset_keys
+from common.ledger import Ledger
+from common.pairing import pair, paired_elsewhere
+from common.reconcile import reconcile_all
+from common.settings import Settings
+from common.store import Store
+from tests.conftest import make_settings
+from tests.faultkit import Workers, wait_for
+from tests.helpers import enqueue_paths, wait_settled
+from tests.test_faults_input import cli
+from tests.test_pipeline_e2e import write_dataset
+
+
+def test_a_database_keeps_one_id_and_another_database_has_another(
+    db_url: str, tmp_path: Path
+) -> None:
+    first = Store(db_url).store_id
+    assert len(first) == 32 and Store(db_url).store_id == first  # read back, not made anew
+    other = Store(f"sqlite:///{tmp_path / 'other.db'}").store_id
+    assert other != first
+
+
+def _queued(client: redis.Redis, name: str) -> int:
+    return int(client.llen(dataset_keys(name).queue))
+
+
+@pytest.fixture
+def paired_run(sqlite_url: str, sim: str, redis_client: redis.Redis,
+               tmp_path: Path) -> Settings:
+    """A run of 6 prompts enqueued, not generated: Redis is paired with its database."""
+    settings = make_settings(sqlite_url, sim)
+    enqueue_paths(settings, [str(write_dataset(tmp_path, "alpha", 6))], budget=Budget(tokens=900))
+    assert redis_client.get(STORE_ID) == Store(sqlite_url).store_id.encode()
+    assert _queued(redis_client, "alpha") == 6
+    return settings
+
+
+@pytest.mark.parametrize("argv", [
+    ["status"], ["purge", "alpha"], ["reopen", "alpha", "--budget-tokens", "5k"],
+    ["enqueue", "PROMPTS", "-q"],
+])
+def test_a_command_on_another_database_is_refused_and_changes_nothing(
+    paired_run: Settings, redis_client: redis.Redis, tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], argv: list[str],
+) -> None:
+    other = tmp_path / "other"
+    other.mkdir()
+    other_url = f"sqlite:///{other / 'datagen.db'}"
+    for key, value in paired_run.replace(database_url=other_url).to_env().items():
+        monkeypatch.setenv(key, value)
+    # Same dataset name and sample ids as the paired run's: a merge would mix them up.
+    prompts = str(write_dataset(other, "alpha", 6))
+    before = Ledger(redis_client).state("alpha")
+    assert cli(*[prompts if a == "PROMPTS" else a for a in argv]) == 2
+    err = capsys.readouterr().err
+    assert "holds the queues and ledgers of another results database" in err
+    ours, theirs = Store(other_url).store_id, Store(paired_run.database_url).store_id
+    assert f"(store {theirs[:12]}), not of {other_url} (store {ours[:12]})" in err
+    assert "redis-cli -h 127.0.0.1 -p 6379" in err and "flushdb" in err
+    assert Ledger(redis_client).state("alpha") == before and _queued(redis_client, "alpha") == 6
+    assert redis_client.get(STORE_ID) == theirs.encode()
+    assert Store(other_url).prompt_counts("alpha") == {}  # nothing stored on the refused side
+
+
+def test_a_worker_on_another_database_exits_without_taking_a_message(
+    paired_run: Settings, redis_client: redis.Redis, tmp_path: Path
+) -> None:
+    other_url = f"sqlite:///{tmp_path / 'other.db'}"
+    with Workers(paired_run.replace(database_url=other_url), tmp_path / "worker.log") as workers:
+        proc = workers.start("other", 4)
+        proc.wait(60)
+    assert proc.returncode != 0
+    assert "holds the queues and ledgers of another results database" in workers.text()
+    assert _queued(redis_client, "alpha") == 6 and not redis_client.hlen("unacked")
+    assert Ledger(redis_client).state("alpha").used_tokens == 0
+
+
+def test_a_redis_that_lost_everything_is_paired_again_and_rebuilt(
+    paired_run: Settings, redis_client: redis.Redis
+) -> None:
+    store = Store(paired_run.database_url)
+    redis_client.flushdb()  # a restart without persistence
+    ledger = Ledger(redis_client)
+    assert not paired_elsewhere(store, ledger)  # an empty Redis belongs to no one yet
+    reconcile_all(store, ledger)
+    assert ledger.paired_store() == store.store_id
+    assert ledger.state("alpha").budget_tokens == 900
+
+
+def test_a_ledger_written_before_pairing_is_adopted(
+    sqlite_url: str, redis_client: redis.Redis
+) -> None:
+    # What an earlier datagen left: ledgers and no record of their database.
+    ledger = Ledger(redis_client)
+    ledger.configure("alpha", Budget(tokens=700))
+    assert ledger.paired_store() is None
+    store = Store(sqlite_url)
+    pair(store, ledger)
+    assert ledger.paired_store() == store.store_id
+    assert ledger.state("alpha").budget_tokens == 700
+
+
+def test_pairing_twice_with_the_same_database_is_quiet_and_another_is_refused(
+    db_url: str, redis_client: redis.Redis, tmp_path: Path
+) -> None:
+    ledger, store = Ledger(redis_client), Store(db_url)
+    pair(store, ledger)
+    pair(Store(db_url), ledger)  # a second process on the same database
+    other = Store(f"sqlite:///{tmp_path / 'other.db'}")
+    assert paired_elsewhere(other, ledger) and not paired_elsewhere(store, ledger)
+    with pytest.raises(StoreMismatch, match="another results database"):
+        pair(other, ledger)
+    assert ledger.paired_store() == store.store_id
+
+
+def test_a_running_worker_pairs_a_flushed_redis_again_and_stops_if_another_took_it(
+    paired_run: Settings, redis_client: redis.Redis, tmp_path: Path
+) -> None:
+    store = Store(paired_run.database_url)
+    with Workers(paired_run, tmp_path / "worker.log") as workers:
+        proc = workers.start("w", 4)
+        wait_settled(store, ["alpha"], timeout_s=60)
+        redis_client.flushdb()  # a restart without persistence, mid-run
+        wait_for(lambda: Ledger(redis_client).paired_store() == store.store_id, 30,
+                 "the worker's heartbeat to pair the empty Redis again")
+        assert proc.poll() is None
+        # Emptied again and, in the same transaction, taken by another database's run.
+        other = Store(f"sqlite:///{tmp_path / 'other.db'}").store_id
+        pipe = redis_client.pipeline(transaction=True)
+        pipe.flushdb()
+        pipe.set(STORE_ID, other)
+        pipe.execute()
+        proc.wait(60)
+    assert "another results database" in workers.text() and "stopping this worker" in workers.text()
+    assert redis_client.get(STORE_ID) == other.encode()
+    assert not redis_client.exists(dataset_keys("alpha").ledger)  # nothing of ours written
