@@ -279,11 +279,17 @@ class Store:
         A copy or a restore of the database keeps it; a new database (a deleted SQLite
         file, another PostgreSQL database) has another.
         """
+        query = sa.select(meta.c.value).where(meta.c.key == "store_id")
+        with self.engine.connect() as conn:
+            # Read first, so a database user who may only read (a status board) gets it.
+            found = conn.scalar(query)
+        if found is not None:
+            return str(found)
         with self.engine.begin() as conn:
             # Two processes may ask at once: the first insert wins, both read its value.
             conn.execute(insert_ignore(self.engine, meta).values(key="store_id",
                                                                  value=uuid.uuid4().hex))
-            return str(conn.scalar(sa.select(meta.c.value).where(meta.c.key == "store_id")))
+            return str(conn.scalar(query))
 
     # -- datasets -------------------------------------------------------------------------
 

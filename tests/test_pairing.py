@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 import redis
+import sqlalchemy as sa
 
 from common.budget import Budget
 from common.errors import StoreMismatch
@@ -17,7 +18,7 @@ from common.pairing import pair, paired_elsewhere
 from common.reconcile import reconcile_all
 from common.settings import Settings
 from common.store import Store
-from tests.conftest import make_settings
+from tests.conftest import POSTGRES_URL, _fresh_postgres, make_settings
 from tests.faultkit import Workers, wait_for
 from tests.helpers import enqueue_paths, wait_settled
 from tests.test_faults_input import cli
@@ -31,6 +32,26 @@ def test_a_database_keeps_one_id_and_another_database_has_another(
     assert len(first) == 32 and Store(db_url).store_id == first  # read back, not made anew
     other = Store(f"sqlite:///{tmp_path / 'other.db'}").store_id
     assert other != first
+
+
+def test_a_database_user_who_may_only_read_gets_the_id(tmp_path: Path) -> None:
+    writer = Store(_fresh_postgres())
+    ours = writer.store_id
+    engine = sa.create_engine(POSTGRES_URL)
+    with engine.begin() as conn:
+        conn.exec_driver_sql("DROP ROLE IF EXISTS datagen_reader")
+        conn.exec_driver_sql("CREATE ROLE datagen_reader LOGIN")
+        conn.exec_driver_sql("GRANT SELECT ON ALL TABLES IN SCHEMA public TO datagen_reader")
+    reader = Store(sa.make_url(POSTGRES_URL).set(username="datagen_reader")
+                   .render_as_string(hide_password=False))
+    try:
+        assert reader.store_id == ours
+    finally:
+        reader.engine.dispose()
+        with engine.begin() as conn:
+            conn.exec_driver_sql("REVOKE ALL ON ALL TABLES IN SCHEMA public FROM datagen_reader")
+            conn.exec_driver_sql("DROP ROLE datagen_reader")
+        engine.dispose()
 
 
 def _queued(client: redis.Redis, name: str) -> int:
