@@ -39,6 +39,10 @@ class Route:
     tunnel_headers: tuple[tuple[str, str], ...] = ()  # sent to the proxy only, at CONNECT
     proxy_headers: tuple[tuple[str, str], ...] = ()  # sent with each request
 
+    def path_to(self, endpoint: str) -> str:
+        """The request target of another endpoint of the same server (``/abort_request``)."""
+        return self.generate_path.removesuffix("/generate") + endpoint
+
 
 def _address(url: str) -> tuple[bool, str, int]:
     parts = urlsplit(url)

@@ -3,9 +3,10 @@
 Requests go out as token ids with a unique rid and explicit sampling parameters; the
 answer's ``output_ids`` are checked against ``meta_info.completion_tokens``.
 
-/generate goes through ``common.httpwire`` on one kept-alive connection per thread and
-server (``requests`` cost a worker more CPU than the rest of a sample's path); the rare
-calls (abort, health, model info) use ``requests``.
+/generate and /abort_request go through ``common.httpwire`` on one kept-alive connection
+per thread and server (``requests`` cost a worker more CPU than the rest of a sample's
+path, and a close more time than its aborts' round trips); the rare calls (health, model
+info) use ``requests``.
 """
 
 from __future__ import annotations
@@ -196,19 +197,25 @@ class SGLangClient:
         return parse_completion(body, rid, server)
 
     def _post_generate(self, server: str, body: bytes) -> Answer:
+        return self._post(server, "/generate", body, self.timeout[1])
+
+    def _post(self, server: str, endpoint: str, body: bytes, read_timeout_s: float) -> Answer:
         """One POST on this thread's connection to ``server``; a broken one is dropped."""
         ep = self._endpoints.get(server) or self._endpoint(server, {})
+        path = ep.route.generate_path if endpoint == "/generate" else ep.route.path_to(endpoint)
         conn = self._connection(server, ep.route)
+        if read_timeout_s != self.timeout[1] and conn.sock is not None:
+            conn.sock.settimeout(read_timeout_s)
         try:
             if isinstance(conn, FastConnection):
-                return conn.exchange(ep.route.generate_path, ep.head, body)
-            conn.request("POST", ep.route.generate_path, body, ep.headers)
+                return conn.exchange(path, ep.head, body)
+            conn.request("POST", path, body, ep.headers)
             resp = conn.getresponse()
             return Answer(resp.status, resp.reason, resp.read())
         except TimeoutError as exc:
             conn.close()
             raise TransientError(
-                f"{server}: timed out (read timeout={self.timeout[1]}s)", server=server
+                f"{server}: timed out (read timeout={read_timeout_s}s)", server=server
             ) from exc
         except (OSError, http.client.HTTPException) as exc:
             conn.close()
@@ -216,6 +223,9 @@ class SGLangClient:
         except BaseException:
             conn.close()  # half a request on the wire: the connection cannot be reused
             raise
+        finally:
+            if read_timeout_s != self.timeout[1] and conn.sock is not None:
+                conn.sock.settimeout(self.timeout[1])
 
     def _connection(self, server: str, target: Route) -> http.client.HTTPConnection:
         conns: dict[str, http.client.HTTPConnection] | None = getattr(self._local, "conns", None)
@@ -272,18 +282,22 @@ class SGLangClient:
             return sum(pool.map(lambda job: self._abort_on(*job), jobs))
 
     def _abort_on(self, server: str, rids: Sequence[str]) -> int:
+        refused = 0
         for n, rid in enumerate(rids):
+            body = json.dumps({"rid": rid}, separators=(",", ":")).encode()
             try:
-                self._request("POST", server, "/abort_request", json={"rid": rid},
-                              timeout=(self.timeout[0], ABORT_READ_TIMEOUT_S))
-            except (requests.ConnectionError, requests.Timeout) as exc:
+                answer = self._post(server, "/abort_request", body, ABORT_READ_TIMEOUT_S)
+            except TransientError as exc:  # ServerUnreachable included
                 # A server that does not answer runs nothing to abort (or cannot be
                 # reached to): waiting out a timeout per rid would only delay the others.
                 log.warning("%s did not answer an abort (%s); skipped its %d other aborts",
-                            server, type(exc).__name__, len(rids) - n - 1)
+                            server, exc, len(rids) - n - 1)
                 return n + 1
-            except requests.RequestException:
-                continue
+            if answer.status != 200:
+                refused += 1
+                if refused == 1:  # said once a close: a missing admin key refuses them all
+                    log.warning("%s refused an abort: HTTP %d: %s", server, answer.status,
+                                _error_message(answer))
         return len(rids)
 
     def model(self, server: str) -> str:

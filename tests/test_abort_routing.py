@@ -8,9 +8,11 @@ receives, so a test sees where every abort went, not only which requests ended.
 from __future__ import annotations
 
 import socket
+import threading
 import time
 from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 import pytest
@@ -144,3 +146,49 @@ def test_a_close_aborts_its_requests_even_when_the_database_is_away(
         answers = [f.result(timeout=10) for f in futures]
     assert [x["meta_info"]["finish_reason"]["type"] for x in answers] == ["abort"] * 3
     assert stats(a)["abort_calls"] == 3
+
+
+def test_a_generate_after_aborts_on_the_same_connection_keeps_its_long_read_timeout(
+    two_sims: tuple[str, str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Aborts share the thread's kept-alive connection with /generate, under a short read
+    timeout of their own; a request after them must wait for its answer as long as ever."""
+    a, _ = two_sims
+    monkeypatch.setattr(sglang_client, "ABORT_READ_TIMEOUT_S", 0.3)
+    client = SGLangClient((a,), read_timeout_s=60)
+    assert client.abort_many([new_rid("ds", a) for _ in range(3)]) == 3
+    # 80 tokens at 100 tok/s: 0.8 s, well past the aborts' 0.3 s.
+    done = client.generate(a, new_rid("ds", a), [5, 6, 7],
+                           {"max_new_tokens": 80, "ignore_eos": True})
+    assert done.completion_tokens == 80 and done.finish_type == "length"
+    assert stats(a)["abort_calls"] == 3
+
+
+class _Refusing(BaseHTTPRequestHandler):
+    """A server that wants an admin key for /abort_request, as SGLang can."""
+
+    def do_POST(self) -> None:
+        self.rfile.read(int(self.headers["Content-Length"]))
+        body = b'{"error": {"message": "Unauthorized"}}'
+        self.send_response(401)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *_: Any) -> None:
+        pass
+
+
+def test_refused_aborts_are_said_once_a_close(caplog: pytest.LogCaptureFixture) -> None:
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _Refusing)
+    server.protocol_version = "HTTP/1.1"
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{server.server_address[1]}"
+    try:
+        with caplog.at_level("WARNING", logger="common.sglang_client"):
+            assert SGLangClient((url,)).abort_many([new_rid("ds", url) for _ in range(4)]) == 4
+    finally:
+        server.shutdown()
+        server.server_close()
+    said = [r.getMessage() for r in caplog.records]
+    assert said == [f"{url} refused an abort: HTTP 401: Unauthorized"]

@@ -200,6 +200,10 @@ def test_proxies_from_the_environment_are_honoured() -> None:
     assert (tls.https, tls.host, tls.tunnel, tls.generate_path) == (
         True, "proxy", ("gpu", 8443), "/sgl/generate")
     assert tls.proxy_headers == ()
+    # The server's other endpoints (the aborts of a close) go the same way.
+    assert (direct.path_to("/abort_request"), plain.path_to("/abort_request"),
+            tls.path_to("/abort_request")) == (
+        "/abort_request", "http://10.0.0.5:30000/abort_request", "/sgl/abort_request")
 
 
 @pytest.mark.parametrize("mode", ["chunked", "until_close"])
