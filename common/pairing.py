@@ -11,13 +11,9 @@ rebuilt from SQL.
 
 from __future__ import annotations
 
-import logging
-
 from common.errors import StoreMismatch
 from common.ledger import Ledger
 from common.store import Store
-
-log = logging.getLogger(__name__)
 
 
 def _where(ledger: Ledger) -> tuple[str, str]:

@@ -202,7 +202,7 @@ class SGLangClient:
     def _post(self, server: str, endpoint: str, body: bytes, read_timeout_s: float) -> Answer:
         """One POST on this thread's connection to ``server``; a broken one is dropped."""
         ep = self._endpoints.get(server) or self._endpoint(server, {})
-        path = ep.route.generate_path if endpoint == "/generate" else ep.route.path_to(endpoint)
+        path = ep.route.path_to(endpoint)
         conn = self._connection(server, ep.route)
         if read_timeout_s != self.timeout[1] and conn.sock is not None:
             conn.sock.settimeout(read_timeout_s)
