@@ -115,28 +115,41 @@ def workers_from(tree: Path) -> Iterator[None]:
 
 def profile_leg(procs: Processes, sim: tuple[str, int], args: argparse.Namespace,
                 kind: str) -> dict[str, Any]:
-    recorders = []
+    """Two legs under py-spy: one sampling the GIL's holder, one every active thread.
+
+    One after the other, never both at once: the all-threads recorder, pausing some 64
+    threads for every sample, falls tens of seconds behind, and a GIL recorder beside it
+    kept few samples or none (0 and 166 in two such runs, 343 and 831 alone), so the
+    GIL-held time a task read far too low.
+    """
+    leg, gil, tasks = _profiled_leg(procs, sim, args, kind, gil=True)
+    _, every, _ = _profiled_leg(procs, sim, args, kind, gil=False)
+    return {"leg": leg, "tasks_profiled": tasks, "gil": gil, "all": every}
+
+
+def _profiled_leg(procs: Processes, sim: tuple[str, int], args: argparse.Namespace,
+                  kind: str, gil: bool) -> tuple[Leg, profiling.Profile, int]:
+    """A leg with one py-spy attached once it runs; the tasks finished while it sampled."""
+    raw = WORKDIR / "tmp" / f"overhead-{kind}{'-gil' if gil else ''}.raw"
+    recorder: list[subprocess.Popen[bytes]] = []
     attached_at: list[float] = []
 
     def attach(workers: list[Any]) -> None:
         time.sleep(PROFILE_DELAY_S)
         attached_at.append(time.time())
-        for gil in (True, False):
-            out = WORKDIR / "tmp" / f"overhead-{kind}{'-gil' if gil else ''}.raw"
-            recorders.append((gil, out, profiling.record(procs, workers[0].pid, out, gil=gil,
-                                                         rate=PROFILE_RATE_HZ)))
+        recorder.append(profiling.record(procs, workers[0].pid, raw, gil=gil,
+                                         rate=PROFILE_RATE_HZ))
 
     try:
         leg = one_leg(procs, sim, args, kind, n=max(args.samples, PROFILE_SAMPLES),
                       on_start=attach)
     finally:
-        for _, _, rec in recorders:
+        for rec in recorder:
             profiling.stop(procs, rec)
-    # Tasks finished while the profilers ran (the simulator's clock is this machine's).
-    profiled = sum(1 for e in sim_requests(sim[0])
-                   if e.get("status") == 200 and e.get("finished_ts", 0) >= attached_at[0])
-    return {"leg": leg, "tasks_profiled": profiled,
-            **{("gil" if g else "all"): profiling.summarize(o) for g, o, _ in recorders}}
+    # The simulator's clock is this machine's.
+    tasks = sum(1 for e in sim_requests(sim[0])
+                if e.get("status") == 200 and e.get("finished_ts", 0) >= attached_at[0])
+    return leg, profiling.summarize(raw), tasks
 
 
 WORKER_STEPS: tuple[tuple[str, str], ...] = (
@@ -191,6 +204,8 @@ def show_profile(prof: dict[str, Any], label: str) -> dict[str, Any]:
         p = prof.get(mode)
         if p is None:
             continue
+        if not p.samples:  # the tables below are then empty
+            print(f"{label} profile ({mode}): py-spy recorded no samples")
         steps, detail = p.attribute(WORKER_STEPS), p.attribute(WORKER_DETAIL, FALLBACK)
         what = "GIL holder" if mode == "gil" else "all active threads"
         if mode == "gil":
