@@ -13,6 +13,7 @@ from redis.commands.core import Script
 
 from common import ledger_scripts as lua
 from common.budget import Budget
+from common.errors import StoreMismatch
 from common.keys import DATASETS, STORE_ID, dataset_keys
 from common.replies import text, texts
 
@@ -104,15 +105,29 @@ class Ledger:
         closed_now, purged, _used = self._configure(keys=dataset_keys(name).script_keys, args=args)
         return CloseResult(bool(closed_now), int(purged))
 
-    def admit(self, name: str, rid: str, max_new_tokens: int, default_expected: int) -> Admission:
+    def admit(self, name: str, rid: str, max_new_tokens: int, default_expected: int,
+              store_id: str = "") -> Admission:
         # A batch of one: the batched script is the only copy of ADMIT that Redis runs.
-        return self.admit_many([AdmitArgs(name, rid, max_new_tokens, default_expected)])[0]
+        return self.admit_many([AdmitArgs(name, rid, max_new_tokens, default_expected)],
+                               store_id)[0]
 
-    def admit_many(self, asks: Sequence[AdmitArgs]) -> list[Admission]:
-        """``admit`` for each, in order, in one command (each call decided as if alone)."""
+    def admit_many(self, asks: Sequence[AdmitArgs], store_id: str = "") -> list[Admission]:
+        """``admit`` for each, in order, in one command (each call decided as if alone).
+
+        With ``store_id``, only while this Redis is paired with that results database (or
+        with none): otherwise nothing is admitted and StoreMismatch is raised, for no asks
+        too (the check alone)."""
+        if not asks and not store_id:
+            return []
         replies = self._batch(self._admit_many,
                               [(a.name, (a.rid, a.max_new_tokens, a.default_expected))
-                               for a in asks])
+                               for a in asks], tail=((STORE_ID, store_id),))
+        if replies and not isinstance(replies[0], list) \
+                and text(replies[0]) == lua.PAIRED_ELSEWHERE:
+            raise StoreMismatch(
+                f"this Redis was paired with another results database (store "
+                f"{text(replies[1])[:12]}) while this process used it for store "
+                f"{store_id[:12]}")
         return [Admission(int(status)) for status, _ in replies]
 
     def release(self, name: str, rid: str) -> None:
@@ -134,18 +149,23 @@ class Ledger:
         return [_charge_result(reply) for reply in replies]
 
     @staticmethod
-    def _batch(script: Script, calls: Sequence[tuple[str, Sequence[Any]]]) -> list[Any]:
-        """Run a batched script (ledger_scripts.batched) over (dataset, arguments) calls."""
-        if not calls:
+    def _batch(script: Script, calls: Sequence[tuple[str, Sequence[Any]]],
+               tail: Sequence[tuple[str, Any]] = ()) -> list[Any]:
+        """Run a batched script (ledger_scripts.batched) over (dataset, arguments) calls;
+        ``tail``: (key, argument) pairs appended after the calls' (a guard's)."""
+        if not calls and not tail:
             return []
         keys: list[str] = []
         position: dict[str, int] = {}
-        args: list[Any] = [len(calls[0][1])]
+        args: list[Any] = [len(calls[0][1]) if calls else 0]
         for name, call_args in calls:
             if name not in position:
                 position[name] = len(position) + 1
                 keys += dataset_keys(name).script_keys
             args += [position[name], *call_args]
+        for key, arg in tail:
+            keys.append(key)
+            args.append(arg)
         return list(script(keys=keys, args=args))
 
     def recharge(self, name: str, sample_id: str, cost: int) -> int:

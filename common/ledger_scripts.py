@@ -209,8 +209,10 @@ return added
 _BATCH_HEAD = """
 local function one(KEYS, ARGV)
 """
-_BATCH_TAIL = f"""
+_BATCH_END = """
 end
+"""
+_BATCH_LOOP = f"""
 local width, per = tonumber(ARGV[1]), {KEYS_PER_DATASET}
 local replies = {{}}
 for i = 2, #ARGV, width + 1 do
@@ -225,10 +227,29 @@ return replies
 
 
 def batched(script: str) -> str:
-    return _BATCH_HEAD + script + _BATCH_TAIL
+    return _BATCH_HEAD + script + _BATCH_END + _BATCH_LOOP
 
 
-ADMIT_MANY = batched(ADMIT)
+# A batch that runs only while the Redis is paired with the caller's results database:
+# KEYS end with the pairing key, ARGV with the caller's store id ('' to skip the check). A
+# Redis paired with another database (emptied and taken by another run since the worker
+# last looked) runs nothing and answers {'paired-elsewhere', its store id}. One paired with
+# none runs the calls: an emptied Redis has no terms either, so ADMIT answers 3 and the
+# worker rebuilds the ledger from SQL, which pairs it again.
+_PAIRED_GUARD = """
+local paired, mine = redis.call('GET', KEYS[#KEYS]), ARGV[#ARGV]
+if paired and mine ~= '' and paired ~= mine then return {'paired-elsewhere', paired} end
+ARGV[#ARGV] = nil
+KEYS[#KEYS] = nil
+"""
+PAIRED_ELSEWHERE = "paired-elsewhere"
+
+
+def batched_if_paired(script: str) -> str:
+    return _BATCH_HEAD + script + _BATCH_END + _PAIRED_GUARD + _BATCH_LOOP
+
+
+ADMIT_MANY = batched_if_paired(ADMIT)
 CHARGE_MANY = batched(CHARGE)
 
 

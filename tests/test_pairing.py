@@ -13,7 +13,7 @@ import sqlalchemy as sa
 from common.budget import Budget
 from common.errors import StoreMismatch
 from common.keys import STORE_ID, dataset_keys
-from common.ledger import Ledger
+from common.ledger import Admission, AdmitArgs, Ledger
 from common.pairing import pair, paired_elsewhere
 from common.reconcile import reconcile_all
 from common.settings import Settings
@@ -168,3 +168,53 @@ def test_a_running_worker_pairs_a_flushed_redis_again_and_stops_if_another_took_
     assert "another results database" in workers.text() and "stopping this worker" in workers.text()
     assert redis_client.get(STORE_ID) == other.encode()
     assert not redis_client.exists(dataset_keys("alpha").ledger)  # nothing of ours written
+
+
+def test_admission_refuses_a_redis_paired_with_another_database_and_reserves_nothing(
+    sqlite_url: str, redis_client: redis.Redis
+) -> None:
+    store, ledger = Store(sqlite_url), Ledger(redis_client)
+    pair(store, ledger)
+    ledger.configure("alpha", Budget(tokens=1000))
+    assert ledger.admit_many([AdmitArgs("alpha", "r1", 100, 50)], store.store_id) == [
+        Admission.ADMITTED]
+    assert ledger.admit_many([], store.store_id) == []  # the check alone
+    redis_client.set(STORE_ID, "0" * 32)  # emptied and taken by another run meanwhile
+    before = ledger.state("alpha")
+    for asks in ([AdmitArgs("alpha", "r2", 100, 50)], []):
+        with pytest.raises(StoreMismatch, match=r"another results database \(store 000000000000\)"):
+            ledger.admit_many(asks, store.store_id)
+    assert ledger.state("alpha") == before and ledger.inflight_rids("alpha") == ["r1"]
+    # Without a store id nothing is checked (the caller paired just before); a Redis paired
+    # with no database runs the calls, and an emptied ledger then asks to be rebuilt.
+    assert ledger.admit("alpha", "r3", 100, 50) is Admission.ADMITTED
+    redis_client.flushdb()
+    assert ledger.admit("alpha", "r4", 100, 50, store.store_id) is Admission.UNKNOWN
+
+
+def test_a_worker_whose_redis_another_run_took_puts_its_messages_back_and_stops(
+    paired_run: Settings, redis_client: redis.Redis, tmp_path: Path
+) -> None:
+    """Between two heartbeats (made rare here), the Redis is emptied and another database's
+    run enqueues a dataset of the same name and sample ids: the worker drops none of its
+    messages and counts none of its own results in that run's ledger."""
+    store = Store(paired_run.database_url)
+    with Workers(paired_run.replace(heartbeat_s=3600.0), tmp_path / "worker.log") as workers:
+        proc = workers.start("w", 4)
+        wait_settled(store, ["alpha"], timeout_s=60)
+        done = store.prompt_counts("alpha")
+        redis_client.flushdb()
+        other = tmp_path / "other"
+        other.mkdir()
+        theirs = paired_run.replace(database_url=f"sqlite:///{other / 'datagen.db'}")
+        enqueue_paths(theirs, [str(write_dataset(other, "alpha", 6))], budget=Budget(tokens=900))
+        proc.wait(60)
+    # Found by the admissions (the heartbeat's check says "holds the queues and ledgers").
+    assert "was paired with another results database" in workers.text()
+    assert "stopping this worker" in workers.text()
+    assert redis_client.get(STORE_ID) == Store(theirs.database_url).store_id.encode()
+    # Every message back in the queue, nothing in flight or charged in their ledger.
+    assert _queued(redis_client, "alpha") == 6 and not redis_client.hlen("unacked")
+    state = Ledger(redis_client).state("alpha")
+    assert (state.used_tokens, state.samples, state.inflight, state.reserved_tokens) == (0, 0, 0, 0)
+    assert store.prompt_counts("alpha") == done

@@ -43,6 +43,17 @@ from workers.context import get_context
 
 log = logging.getLogger(__name__)
 SWEEP_EVERY_S = 300.0
+_stopping = threading.Lock()  # held once a stop is asked for
+
+
+def stop_this_worker(why: str) -> None:
+    """Stop this worker (once, whichever thread finds out first): its Redis holds another
+    database's queues, which are not its to take. A warm shutdown: tasks already running
+    end as they would at any stop."""
+    if not _stopping.acquire(blocking=False):
+        return
+    log.error("%s; stopping this worker", why)
+    os.kill(os.getpid(), signal.SIGTERM)
 
 
 class Received:
@@ -230,9 +241,7 @@ class Heartbeat:
         try:
             pair(ctx.store, ctx.ledger)
         except StoreMismatch as exc:
-            log.error("%s; stopping this worker", exc)
-            # A warm shutdown: tasks already running end as they would at any stop.
-            os.kill(os.getpid(), signal.SIGTERM)
+            stop_this_worker(str(exc))
             return False
         return True
 

@@ -78,7 +78,7 @@ def _generate(ctx: WorkerContext, prompt: PromptRow, server: str, rid: str,
         # The ledger lost its terms (Redis restarted): rebuild them from SQL, then ask again.
         reconcile_dataset(ctx.store, ctx.ledger, prompt.dataset)
         admission = ctx.ledger.admit(prompt.dataset, rid, prompt.max_new_tokens,
-                                     DEFAULT_EXPECTED_TOKENS)
+                                     DEFAULT_EXPECTED_TOKENS, ctx.store.store_id)
     if admission is Admission.CLOSED:
         return Outcome.CLOSED
     if admission is not Admission.ADMITTED:

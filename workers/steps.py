@@ -53,8 +53,11 @@ def admit_group(ctx: WorkerContext, items: list[AdmitItem]) -> list[Admitted]:
               for i, (p, (_, _, rid)) in enumerate(zip(prompts, items, strict=True))
               if p is not None and p.state == "queued"]
     admissions: list[Admission | None] = [None] * len(items)
-    for (i, _), admission in zip(queued, ctx.ledger.admit_many([a for _, a in queued]),
-                                 strict=True):
+    # Asked even when no prompt is queued: the same answer says whether this Redis is still
+    # paired with this worker's database, before the message of a prompt that is missing
+    # or settled here is dropped or its result counted in a ledger.
+    granted = ctx.ledger.admit_many([a for _, a in queued], ctx.store.store_id)
+    for (i, _), admission in zip(queued, granted, strict=True):
         admissions[i] = admission
     return list(zip(prompts, admissions, strict=True))
 

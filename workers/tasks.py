@@ -7,12 +7,14 @@ import random
 
 import redis
 from celery import Celery, Task
+from celery.exceptions import Reject
 from sqlalchemy import exc as sa_exc
 
 from common.celery_app import GENERATE_TASK
-from common.errors import PermanentError, ServerUnreachable, TransientError
+from common.errors import PermanentError, ServerUnreachable, StoreMismatch, TransientError
 from common.settings import Settings
 from workers.context import WorkerContext, get_context
+from workers.liveness import stop_this_worker
 from workers.pipeline import Outcome, run_sample
 
 log = logging.getLogger(__name__)
@@ -34,6 +36,11 @@ def register_tasks(app: Celery, settings: Settings) -> Task:
     def generate(self: Task, dataset: str, sample_id: str) -> str:
         try:
             return _attempt(self, get_context(app), settings, dataset, sample_id)
+        except StoreMismatch as exc:
+            # This Redis now belongs to another results database, and so does the message
+            # that came from it: back to the head of its queue, for that run's workers.
+            stop_this_worker(str(exc))
+            raise Reject(str(exc), requeue=True) from None
         except INFRASTRUCTURE_ERRORS as exc:
             # Redis or the database did not answer: nothing about the sample is known to be
             # wrong, so it waits and tries again, uncounted, rather than being acked and lost.
