@@ -117,10 +117,11 @@ def profile_leg(procs: Processes, sim: tuple[str, int], args: argparse.Namespace
                 kind: str) -> dict[str, Any]:
     """Two legs under py-spy: one sampling the GIL's holder, one every active thread.
 
-    One after the other, never both at once: the all-threads recorder, pausing some 64
-    threads for every sample, falls tens of seconds behind, and a GIL recorder beside it
-    kept few samples or none (0 and 166 in two such runs, 343 and 831 alone), so the
-    GIL-held time a task read far too low.
+    One after the other, never both at once: a GIL recorder attached beside the
+    all-threads one kept few samples or none (0 and 166 in two such runs, 343 and 831
+    alone), so the GIL-held time a task read far too low. The all-threads recorder pauses
+    some 64 threads for every sample and falls behind its rate even alone (23 s behind
+    in one leg), which is the likely reason; its own shares stay usable, its count does not.
     """
     leg, gil, tasks = _profiled_leg(procs, sim, args, kind, gil=True)
     _, every, _ = _profiled_leg(procs, sim, args, kind, gil=False)
