@@ -157,6 +157,23 @@ def test_a_leader_waits_for_company_only_while_calls_come_closer_than_its_linger
     assert time.monotonic() - started >= 0.3
 
 
+
+def test_a_lingering_leader_goes_on_once_enough_callers_wait() -> None:
+    # Calls come densely (no gap yet), so the leader lingers; it stops at three callers,
+    # not at the group's limit of eight nor after its 30 s linger.
+    sizes: list[int] = []
+
+    def batch(items: list[int]) -> list[int]:
+        sizes.append(len(items))
+        return items
+
+    group: GroupCall[int, int] = GroupCall(batch, max_group=8, linger_s=30.0, enough=3)
+    with ThreadPoolExecutor(3) as pool:
+        futures = [pool.submit(group, i) for i in range(3)]
+        assert [f.result(timeout=10) for f in futures] == [0, 1, 2]
+    assert sizes == [3]
+    assert GroupCall(batch, max_group=4, linger_s=0, enough=10).enough == 4
+
 class _TracedLock:
     """A caller's wake-up lock that notes which thread released it."""
 

@@ -77,18 +77,21 @@ def test_concurrent_samples_share_steps_and_each_is_counted_once(
     assert_invariants(store, ledger, ["shared"])
 
 
-def test_a_group_of_every_task_the_worker_runs_does_not_wait_for_more(
+def test_a_step_goes_on_once_half_the_workers_tasks_have_joined(
     settings: Settings, store: Store, tmp_path: Path
 ) -> None:
-    # Four threads in a worker of concurrency 4: once all four have joined a step, nobody
-    # else can, so its leader goes on at once instead of waiting out its linger.
-    ctx = context_for(settings.replace(concurrency=4), tmp_path, "full", 4)
+    # Two tasks in a worker of concurrency 4: with every slot busy the others would be in
+    # the other step, so each step's leader goes on with these two instead of waiting out
+    # its linger for them.
+    ctx = context_for(settings.replace(concurrency=4), tmp_path, "half", 2)
     ctx.admissions.linger_s = ctx.settlements.linger_s = 30.0
-    with ThreadPoolExecutor(4) as pool:
-        futures = [pool.submit(run_sample, ctx, "full", f"full-{i}") for i in range(4)]
-        assert [f.result(timeout=15) for f in futures] == [Outcome.DONE] * 4
+    assert (ctx.admissions.enough, ctx.settlements.enough) == (2, 2)
+    with ThreadPoolExecutor(2) as pool:
+        futures = [pool.submit(run_sample, ctx, "half", f"half-{i}") for i in range(2)]
+        assert [f.result(timeout=15) for f in futures] == [Outcome.DONE] * 2
     assert (ctx.admissions.batches, ctx.settlements.batches) == (1, 1)
-    assert store.prompt_counts("full") == {"done": 4}
+    assert (ctx.admissions.items, ctx.settlements.items) == (2, 2)
+    assert store.prompt_counts("half") == {"done": 2}
 
 
 def test_a_database_outage_at_the_commit_keeps_the_charge(

@@ -52,13 +52,18 @@ class WorkerContext:
 
     def __post_init__(self) -> None:
         self.results = ResultWriter(self.store)
-        # A group can hold no more tasks than the worker runs at once: once all of them
-        # have joined, its leader stops waiting for company that cannot come.
         most = max(1, min(MAX_GROUP, self.settings.concurrency))
+        # With every slot busy, a worker's tasks are split between the two steps (and
+        # their requests): a leader waiting for more than half of them would wait for
+        # tasks that reach its step only after the other step's group is served, its whole
+        # linger, while its own group's tasks hold their slots idle. At full rate that
+        # wait, not CPU, bounded the worker (docs/PERFORMANCE_EXPERIMENTS.md, "Eleventh
+        # round").
+        enough = max(1, min(most, self.settings.concurrency // 2))
         self.admissions = GroupCall(lambda items: steps.admit_group(self, items),
-                                    max_group=most, linger_s=ADMIT_LINGER_S)
+                                    max_group=most, linger_s=ADMIT_LINGER_S, enough=enough)
         self.settlements = GroupCall(lambda items: steps.settle_group(self, items),
-                                     max_group=most, linger_s=LINGER_S)
+                                     max_group=most, linger_s=LINGER_S, enough=enough)
 
     @classmethod
     def build(cls, settings: Settings, app: Celery | None = None) -> WorkerContext:

@@ -50,8 +50,9 @@ class GroupCall(Generic[T, R]):
     """``call(item)`` from many threads, served by ``batch(items)`` for all who wait.
 
     No thread of its own: the first caller to find no batch running waits up to
-    ``linger_s`` for company, then makes the batch call for everything waiting, its own
-    item included, while the others wait. It waits only while calls come closer together
+    ``linger_s`` for company, or until ``enough`` callers wait, then makes the batch call
+    for everything waiting (up to ``max_group``), its own item included, while the
+    others wait. It waits only while calls come closer together
     than ``linger_s`` on average: when they are sparser (a real server's pace, seconds a
     request), nobody is likely to join and the wait would only delay the item. Each call
     returns only once its own item is served, with its own result, or raises its own
@@ -68,9 +69,11 @@ class GroupCall(Generic[T, R]):
     """
 
     def __init__(self, batch: Callable[[list[T]], Outcomes[R]], max_group: int,
-                 linger_s: float) -> None:
+                 linger_s: float, enough: int | None = None) -> None:
         self.batch = batch
         self.max_group = max_group
+        # A lingering leader goes on once this many wait (at most max_group).
+        self.enough = min(max_group, enough or max_group)
         self.linger_s = linger_s
         self.batches = self.items = 0
         # The leaders' time in batch calls: wall clock, and CPU of the leading thread (its
@@ -91,7 +94,7 @@ class GroupCall(Generic[T, R]):
             self._waiting.append(mine)
             follower = self._led
             self._led = True
-            if len(self._waiting) >= self.max_group:
+            if len(self._waiting) >= self.enough:
                 self._full.set()  # a lingering leader need not wait any longer
         if follower:
             mine.wake.acquire()  # served, or made the next leader
@@ -137,7 +140,7 @@ class GroupCall(Generic[T, R]):
         """Give other calls a moment to join (as the leader, not holding the mutex)."""
         with self._mutex:
             if (self.linger_s <= 0 or self.gap_s > self.linger_s
-                    or len(self._waiting) >= self.max_group):
+                    or len(self._waiting) >= self.enough):
                 return
             self._full.clear()
         self._full.wait(self.linger_s)
