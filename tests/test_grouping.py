@@ -190,9 +190,9 @@ class _TracedLock:
         self._lock.release()
 
 
-def test_a_batch_wakes_its_callers_one_after_another(monkeypatch: pytest.MonkeyPatch) -> None:
-    # Woken all at once, a batch's callers would all queue for the GIL together, ahead of
-    # the thread that takes the worker's next message; woken in a chain, one at a time.
+def test_a_batch_wakes_all_its_callers_itself(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Each served caller holds a worker slot until it returns: the leader wakes every one
+    # of them as soon as the batch is done, none waits for another to run first.
     from dataclasses import dataclass, field
 
     from workers import grouping
@@ -219,5 +219,4 @@ def test_a_batch_wakes_its_callers_one_after_another(monkeypatch: pytest.MonkeyP
     assert not any(t.is_alive() for t in threads)
     assert group.batches == 1
     by_item = {p.item: p.wake.released_by for p in pending}
-    assert by_item == {1: "caller-0", 2: "caller-1", 3: "caller-2", 4: "caller-3",
-                       5: "caller-4", 0: None}
+    assert by_item == {0: None, **{i: "caller-0" for i in range(1, 6)}}

@@ -8,7 +8,6 @@ of it while each task still gets its own answer before it goes on.
 
 from __future__ import annotations
 
-import itertools
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -42,8 +41,6 @@ class _Pending(Generic[T, R]):
     # Held until the caller is to wake: served, or made the next leader. A lock per
     # caller, so a batch's end wakes exactly the threads it concerns.
     wake: threading.Lock = field(default_factory=_held)
-    # The caller of the same batch to wake once this one runs again.
-    next: _Pending[T, R] | None = None
 
 
 class GroupCall(Generic[T, R]):
@@ -58,14 +55,12 @@ class GroupCall(Generic[T, R]):
     returns only once its own item is served, with its own result, or raises its own
     error. A batch call that raises fails every item it held.
 
-    A batch's end wakes the first caller still waiting as the next leader, and its own
-    callers one after another: the leader wakes the first, and each, once it runs, the
-    next; the callers still waiting sleep on. (One condition for all would wake every
-    waiting thread at each batch's end, most of them only to go back to sleep: in a
-    worker of 64 threads, a thread hand-off and a turn at the GIL each.) The chain is for
-    the GIL's queue: callers woken together would all wait for it at once, ahead of the
-    consumer thread that takes the worker's next message, and that one thread paces a
-    worker at full rate (docs/PERFORMANCE_EXPERIMENTS.md, "Fourth round").
+    A batch's end wakes its own callers, all at once, and the first caller still waiting
+    as the next leader; the callers still waiting sleep on. (One condition for all would
+    wake every waiting thread at each batch's end, most of them only to go back to sleep:
+    in a worker of 64 threads, a thread hand-off and a turn at the GIL each.) Each served
+    caller holds one of the worker's slots until it returns, so they are woken together,
+    not one after another (docs/PERFORMANCE_EXPERIMENTS.md, "Eleventh round").
     """
 
     def __init__(self, batch: Callable[[list[T]], Outcomes[R]], max_group: int,
@@ -98,8 +93,6 @@ class GroupCall(Generic[T, R]):
                 self._full.set()  # a lingering leader need not wait any longer
         if follower:
             mine.wake.acquire()  # served, or made the next leader
-            if mine.next is not None:
-                mine.next.wake.release()
         if not mine.done:
             self._lead(mine)
         if mine.error is not None:
@@ -120,11 +113,9 @@ class GroupCall(Generic[T, R]):
             with self._mutex:
                 after = self._waiting[0] if self._waiting else None
                 self._led = after is not None
-            served = [p for p in group if p is not mine]
-            for p, q in itertools.pairwise(served):
-                p.next = q
-            if served:
-                served[0].wake.release()
+            for p in group:
+                if p is not mine:
+                    p.wake.release()
             if after is not None:
                 after.wake.release()
 
