@@ -119,34 +119,59 @@ class Ledger:
         too (the check alone)."""
         if not asks and not store_id:
             return []
-        replies = self._batch(self._admit_many,
-                              [(a.name, (a.rid, a.max_new_tokens, a.default_expected))
-                               for a in asks], tail=((STORE_ID, store_id),))
-        if replies and not isinstance(replies[0], list) \
-                and text(replies[0]) == lua.PAIRED_ELSEWHERE:
-            raise StoreMismatch(
-                f"this Redis was paired with another results database (store "
-                f"{text(replies[1])[:12]}) while this process used it for store "
-                f"{store_id[:12]}")
+        replies = self._paired_batch(self._admit_many,
+                                     [(a.name, (a.rid, a.max_new_tokens, a.default_expected))
+                                      for a in asks], store_id)
         return [Admission(int(status)) for status, _ in replies]
 
     def release(self, name: str, rid: str) -> None:
         self._release(keys=dataset_keys(name).script_keys, args=[rid])
 
     def charge(
-        self, name: str, sample_id: str, rid: str, prompt_tokens: int, completion_tokens: int
+        self, name: str, sample_id: str, rid: str, prompt_tokens: int, completion_tokens: int,
+        store_id: str = "",
     ) -> ChargeResult:
         return self.charge_many(
-            [ChargeArgs(name, sample_id, rid, prompt_tokens, completion_tokens)])[0]
+            [ChargeArgs(name, sample_id, rid, prompt_tokens, completion_tokens)], store_id)[0]
 
-    def charge_many(self, charges: Sequence[ChargeArgs]) -> list[ChargeResult]:
+    def charge_many(self, charges: Sequence[ChargeArgs], store_id: str = "") -> list[ChargeResult]:
         """``charge`` for each, in order, in one command: the batch decides exactly what
-        the same charges one by one would."""
+        the same charges one by one would. With ``store_id``, as ``admit_many``: nothing
+        is charged in a Redis paired with another database (a request sent before another
+        run took it would otherwise count in that run's budget)."""
+        if not charges:
+            return []
         now = time.time()
-        replies = self._batch(self._charge_many, [
+        replies = self._paired_batch(self._charge_many, [
             (c.name, (c.sample_id, c.rid, c.prompt_tokens, c.completion_tokens, now))
-            for c in charges])
+            for c in charges], store_id)
         return [_charge_result(reply) for reply in replies]
+
+    def where(self) -> tuple[str, str]:
+        """This Redis as host:port/db, and the redis-cli arguments that reach its database."""
+        kw = self.redis.connection_pool.connection_kwargs
+        db = kw.get("db", 0)
+        if kw.get("path"):
+            return f"{kw['path']}/{db}", f"-s {kw['path']} -n {db}"
+        host, port = kw.get("host", "localhost"), kw.get("port", 6379)
+        return f"{host}:{port}/{db}", f"-h {host} -p {port} -n {db}"
+
+    def _paired_batch(self, script: Script, calls: Sequence[tuple[str, Sequence[Any]]],
+                      store_id: str) -> list[Any]:
+        """A batch of a script built with ``batched_if_paired``; StoreMismatch when this
+        Redis is paired with another database than ``store_id`` (then nothing ran)."""
+        replies = self._batch(script, calls, tail=((STORE_ID, store_id),))
+        if not (replies and not isinstance(replies[0], list)
+                and text(replies[0]) == lua.PAIRED_ELSEWHERE):
+            return replies
+        where, _ = self.where()
+        raise StoreMismatch(
+            f"Redis at {where} was paired with another results database (store "
+            f"{text(replies[1])[:12]}) while this process used it for store {store_id[:12]}: "
+            "another run emptied it and took it. Nothing was admitted or charged there. "
+            "Point this run's DATAGEN_REDIS_URL at a Redis database of its own (another /N) "
+            "and start it again: its ledgers are rebuilt from SQL and its queued prompts "
+            "enqueued again.")
 
     @staticmethod
     def _batch(script: Script, calls: Sequence[tuple[str, Sequence[Any]]],

@@ -16,23 +16,13 @@ from common.ledger import Ledger
 from common.store import Store
 
 
-def _where(ledger: Ledger) -> tuple[str, str]:
-    """The Redis as host:port/db, and the redis-cli arguments that reach that database."""
-    kw = ledger.redis.connection_pool.connection_kwargs
-    db = kw.get("db", 0)
-    if kw.get("path"):
-        return f"{kw['path']}/{db}", f"-s {kw['path']} -n {db}"
-    host, port = kw.get("host", "localhost"), kw.get("port", 6379)
-    return f"{host}:{port}/{db}", f"-h {host} -p {port} -n {db}"
-
-
 def pair(store: Store, ledger: Ledger) -> None:
     """Pair ``ledger``'s Redis with ``store``, or raise StoreMismatch if it holds another's."""
     ours = store.store_id
     theirs = ledger.pair(ours)
     if theirs == ours:
         return
-    where, cli_args = _where(ledger)
+    where, cli_args = ledger.where()
     raise StoreMismatch(
         f"Redis at {where} holds the queues and ledgers of another results database "
         f"(store {theirs[:12]}), not of {store.describe()} (store {ours[:12]}); using it "

@@ -13,7 +13,7 @@ import sqlalchemy as sa
 from common.budget import Budget
 from common.errors import StoreMismatch
 from common.keys import STORE_ID, dataset_keys
-from common.ledger import Admission, AdmitArgs, Ledger
+from common.ledger import Admission, AdmitArgs, Charge, ChargeArgs, Ledger
 from common.pairing import pair, paired_elsewhere
 from common.reconcile import reconcile_all
 from common.settings import Settings
@@ -23,6 +23,8 @@ from tests.faultkit import Workers, wait_for
 from tests.helpers import enqueue_paths, wait_settled
 from tests.test_faults_input import cli
 from tests.test_pipeline_e2e import write_dataset
+from tests.test_steps import context_for
+from workers.pipeline import run_sample
 
 
 def test_a_database_keeps_one_id_and_another_database_has_another(
@@ -191,6 +193,50 @@ def test_admission_refuses_a_redis_paired_with_another_database_and_reserves_not
     redis_client.flushdb()
     assert ledger.admit("alpha", "r4", 100, 50, store.store_id) is Admission.UNKNOWN
 
+
+
+def test_a_charge_refuses_a_redis_paired_with_another_database_and_charges_nothing(
+    sqlite_url: str, redis_client: redis.Redis
+) -> None:
+    store, ledger = Store(sqlite_url), Ledger(redis_client)
+    pair(store, ledger)
+    ledger.configure("alpha", Budget(tokens=1000))
+    for rid in ("r1", "r2"):
+        assert ledger.admit("alpha", rid, 100, 50, store.store_id) is Admission.ADMITTED
+    assert ledger.charge("alpha", "s1", "r1", 10, 20, store.store_id).status is Charge.CHARGED
+    redis_client.set(STORE_ID, "0" * 32)  # emptied and taken by another run meanwhile
+    before = ledger.state("alpha")
+    with pytest.raises(StoreMismatch) as refused:
+        ledger.charge_many([ChargeArgs("alpha", "s2", "r2", 10, 20)], store.store_id)
+    assert ledger.state("alpha") == before and ledger.inflight_rids("alpha") == ["r2"]
+    # It says which Redis, whose it is now, and what to do.
+    where, _ = ledger.where()
+    assert f"Redis at {where} was paired with another results database (store 000000000000)" \
+        in str(refused.value)
+    assert "DATAGEN_REDIS_URL" in str(refused.value)
+    assert ledger.charge_many([], store.store_id) == []
+
+
+def test_a_request_sent_before_another_run_took_the_redis_is_not_charged_there(
+    settings: Settings, redis_client: redis.Redis, tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The Redis changes hands while the sample's request is at the server: its tokens go
+    into no ledger, and the sample stays queued in this run's database for a later run."""
+    ctx = context_for(settings, tmp_path, "alpha", 1)
+    real = ctx.client.generate
+
+    def taken_meanwhile(*args: object, **kwargs: object) -> object:
+        completion = real(*args, **kwargs)  # type: ignore[arg-type]
+        redis_client.set(STORE_ID, "0" * 32)
+        return completion
+
+    monkeypatch.setattr(ctx.client, "generate", taken_meanwhile)
+    with pytest.raises(StoreMismatch):
+        run_sample(ctx, "alpha", ctx.store.sample_ids("alpha", "queued")[0])
+    state = ctx.ledger.state("alpha")
+    assert (state.used_tokens, state.samples, state.inflight) == (0, 0, 0)
+    assert ctx.store.prompt_counts("alpha") == {"queued": 1}
 
 def test_a_worker_whose_redis_another_run_took_puts_its_messages_back_and_stops(
     paired_run: Settings, redis_client: redis.Redis, tmp_path: Path

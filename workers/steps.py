@@ -64,9 +64,11 @@ def admit_group(ctx: WorkerContext, items: list[AdmitItem]) -> list[Admitted]:
 
 def settle_group(ctx: WorkerContext, items: list[SettleItem]) -> list[Settled]:
     """Charge every sample, then store in one commit what each charge allows."""
+    # Charged only while this Redis is still paired with this worker's database: a
+    # request sent before another run took it must not count in that run's budget.
     charges = ctx.ledger.charge_many([
         ChargeArgs(ds.name, sample_id, c.rid, c.prompt_tokens, c.completion_tokens)
-        for ds, sample_id, c, _ in items])
+        for ds, sample_id, c, _ in items], ctx.store.store_id)
     rows: dict[int, dict[str, Any]] = {}
     failed: dict[int, Exception] = {}
     for i, ((ds, sample_id, c, _), charge) in enumerate(zip(items, charges, strict=True)):
