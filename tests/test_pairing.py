@@ -172,12 +172,18 @@ def test_a_running_worker_pairs_a_flushed_redis_again_and_stops_if_another_took_
     assert not redis_client.exists(dataset_keys("alpha").ledger)  # nothing of ours written
 
 
-def test_admission_refuses_a_redis_paired_with_another_database_and_reserves_nothing(
-    sqlite_url: str, redis_client: redis.Redis
-) -> None:
+def _paired_alpha(sqlite_url: str, redis_client: redis.Redis) -> tuple[Store, Ledger]:
+    """A store paired with the Redis, and its dataset "alpha" of 1,000 tokens there."""
     store, ledger = Store(sqlite_url), Ledger(redis_client)
     pair(store, ledger)
     ledger.configure("alpha", Budget(tokens=1000))
+    return store, ledger
+
+
+def test_admission_refuses_a_redis_paired_with_another_database_and_reserves_nothing(
+    sqlite_url: str, redis_client: redis.Redis
+) -> None:
+    store, ledger = _paired_alpha(sqlite_url, redis_client)
     assert ledger.admit_many([AdmitArgs("alpha", "r1", 100, 50)], store.store_id) == [
         Admission.ADMITTED]
     assert ledger.admit_many([], store.store_id) == []  # the check alone
@@ -194,13 +200,10 @@ def test_admission_refuses_a_redis_paired_with_another_database_and_reserves_not
     assert ledger.admit("alpha", "r4", 100, 50, store.store_id) is Admission.UNKNOWN
 
 
-
 def test_a_charge_refuses_a_redis_paired_with_another_database_and_charges_nothing(
     sqlite_url: str, redis_client: redis.Redis
 ) -> None:
-    store, ledger = Store(sqlite_url), Ledger(redis_client)
-    pair(store, ledger)
-    ledger.configure("alpha", Budget(tokens=1000))
+    store, ledger = _paired_alpha(sqlite_url, redis_client)
     for rid in ("r1", "r2"):
         assert ledger.admit("alpha", rid, 100, 50, store.store_id) is Admission.ADMITTED
     assert ledger.charge("alpha", "s1", "r1", 10, 20, store.store_id).status is Charge.CHARGED
