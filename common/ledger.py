@@ -170,8 +170,9 @@ class Ledger:
             f"{text(replies[1])[:12]}) while this process used it for store {store_id[:12]}: "
             "another run emptied it and took it. Nothing was admitted or charged there. "
             "Point this run's DATAGEN_REDIS_URL at a Redis database of its own (another /N) "
-            "and start it again: its ledgers are rebuilt from SQL and its queued prompts "
-            "enqueued again.")
+            "and start it again: its ledgers are rebuilt from SQL, and its queued prompts are "
+            "enqueued again by `datagen enqueue` at once or by the workers' sweep within "
+            "minutes.")
 
     @staticmethod
     def _batch(script: Script, calls: Sequence[tuple[str, Sequence[Any]]],

@@ -157,7 +157,6 @@ def test_a_leader_waits_for_company_only_while_calls_come_closer_than_its_linger
     assert time.monotonic() - started >= 0.3
 
 
-
 def test_a_lingering_leader_goes_on_once_enough_callers_wait() -> None:
     # Calls come densely (no gap yet), so the leader lingers; it stops at three callers,
     # not at the group's limit of eight nor after its 30 s linger.
@@ -173,6 +172,7 @@ def test_a_lingering_leader_goes_on_once_enough_callers_wait() -> None:
         assert [f.result(timeout=10) for f in futures] == [0, 1, 2]
     assert sizes == [3]
     assert GroupCall(batch, max_group=4, linger_s=0, enough=10).enough == 4
+
 
 class _TracedLock:
     """A caller's wake-up lock that notes which thread released it."""

@@ -241,6 +241,7 @@ def test_a_request_sent_before_another_run_took_the_redis_is_not_charged_there(
     assert (state.used_tokens, state.samples, state.inflight) == (0, 0, 0)
     assert ctx.store.prompt_counts("alpha") == {"queued": 1}
 
+
 def test_a_worker_whose_redis_another_run_took_puts_its_messages_back_and_stops(
     paired_run: Settings, redis_client: redis.Redis, tmp_path: Path
 ) -> None:

@@ -80,7 +80,7 @@ class GroupCall(Generic[T, R]):
         self._waiting: list[_Pending[T, R]] = []
         self._led = False  # a leader is lingering or serving
         self._mutex = threading.Lock()
-        self._full = threading.Event()  # set when a group's worth waits
+        self._full = threading.Event()  # set when `enough` callers wait
 
     def __call__(self, item: T) -> R:
         mine: _Pending[T, R] = _Pending(item)
