@@ -21,7 +21,7 @@ from producer.template import BUNDLED_TOKENIZER, ChatTemplater
 from tests.faultkit import PrivateRedis, Sim, run_cli, wait_for
 from tests.faultkit_checks import COMPLETED, Check, load_requests
 from tests.faultkit_pg import PrivatePostgres
-from tests.test_pipeline_e2e import write_dataset
+from tests.helpers import write_dataset
 
 MAX_NEW_TOKENS = 256
 MAX_SEQ_LEN = 4096

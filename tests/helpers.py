@@ -27,8 +27,25 @@ from producer.enqueue import DatasetSummary, Enqueuer, Limits
 from producer.plan import plans_from_paths
 from producer.template import BUNDLED_TOKENIZER, ChatTemplater
 from workers.app import create_app
+from workers.context import WorkerContext
 
 SETTLED = ("done", "failed", "skipped")
+
+
+def write_dataset(folder: Path, name: str, n: int, start: int = 0) -> Path:
+    """A JSONL dataset of ``n`` one-message chats, ids ``{name}-{i}`` from ``start``."""
+    path = folder / f"{name}.jsonl"
+    with path.open("w") as fh:
+        for i in range(start, start + n):
+            msgs = [{"role": "user", "content": f"{name} question number {i}: explain item {i}."}]
+            fh.write(json.dumps({"id": f"{name}-{i}", "messages": msgs}) + "\n")
+    return path
+
+
+def context_for(settings: Settings, tmp_path: Path, name: str, n: int) -> WorkerContext:
+    """A worker's context (no Celery) over a new dataset of ``n`` prompts."""
+    enqueue_paths(settings, [str(write_dataset(tmp_path, name, n))])
+    return WorkerContext.build(settings)
 
 
 @contextmanager

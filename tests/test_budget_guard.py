@@ -18,8 +18,13 @@ from common.settings import Settings
 from common.store import Store
 from ops.cli import main as cli_main
 from tests.conftest import REDIS_URL, make_settings
-from tests.helpers import assert_invariants, enqueue_paths, running_worker, wait_settled
-from tests.test_pipeline_e2e import write_dataset
+from tests.helpers import (
+    assert_invariants,
+    enqueue_paths,
+    running_worker,
+    wait_settled,
+    write_dataset,
+)
 
 BUDGET = 20_000
 # Requests admitted just before a close may reach the server a moment after it.

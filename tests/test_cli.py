@@ -15,8 +15,7 @@ from common.settings import Settings
 from common.store import Store
 from ops.cli import main
 from tests.conftest import EXAMPLES
-from tests.helpers import running_worker, wait_settled
-from tests.test_pipeline_e2e import write_dataset
+from tests.helpers import running_worker, wait_settled, write_dataset
 
 STATUS_KEYS = {
     "name", "state", "prompts", "done", "failed", "skipped", "queued", "used_tokens",

@@ -19,7 +19,7 @@ from common.store import Store
 from ops.cli import main
 from producer.template import BUNDLED_TOKENIZER
 from tests.conftest import make_settings
-from tests.test_pipeline_e2e import write_dataset
+from tests.helpers import write_dataset
 
 GOOD = {"messages": [{"role": "user", "content": "hello there"}]}
 

@@ -26,8 +26,7 @@ from common.settings import Settings
 from common.store import Store
 from ops.cli import main
 from producer.reader import discover
-from tests.helpers import enqueue_paths, running_worker, wait_settled
-from tests.test_pipeline_e2e import write_dataset
+from tests.helpers import enqueue_paths, running_worker, wait_settled, write_dataset
 
 INJECTIONS = ["x'; DROP TABLE results; --", 'Robert"); DROP TABLE prompts;--', "%(x)s :id \\'"]
 

@@ -30,8 +30,7 @@ from tests.faultkit_producer import producer_kill
 from tests.faultkit_proxy import ResetProxy
 from tests.faultkit_scenarios import postgres_restart, redis_blip, redis_loss, worker_kill
 from tests.faultkit_stack import Outcome, Stack, enqueue, write_manifest
-from tests.helpers import enqueue_paths, running_worker
-from tests.test_pipeline_e2e import write_dataset
+from tests.helpers import enqueue_paths, running_worker, write_dataset
 
 RECOVERY_LIMIT_S = 60.0
 PACED = {"decode_tok_per_s": 150, "mean_output_tokens": 80, "max_running_requests": 64}

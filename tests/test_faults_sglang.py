@@ -21,8 +21,7 @@ from tests.conftest import make_settings
 from tests.faultkit import PrivateRedis, Sim, sim_faults, sim_log
 from tests.faultkit_sglang import BASE_DECODE, sglang_faults
 from tests.faultkit_stack import Outcome, Stack
-from tests.helpers import enqueue_paths, running_worker, wait_settled
-from tests.test_pipeline_e2e import write_dataset
+from tests.helpers import enqueue_paths, running_worker, wait_settled, write_dataset
 
 RECOVERY_LIMIT_S = 60.0
 MAX_ATTEMPTS = 8

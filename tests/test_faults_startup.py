@@ -20,9 +20,8 @@ from common.store import Store
 from ops.localredis import free_port
 from tests.conftest import make_settings
 from tests.faultkit import PrivateRedis, Sim, Workers, wait_for
-from tests.helpers import enqueue_paths, running_worker, wait_settled
+from tests.helpers import enqueue_paths, running_worker, wait_settled, write_dataset
 from tests.test_faults_input import cli
-from tests.test_pipeline_e2e import write_dataset
 
 DEAD_DB = "postgresql://datagen:s3cret@127.0.0.1:1/datagen"
 

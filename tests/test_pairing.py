@@ -20,10 +20,8 @@ from common.settings import Settings
 from common.store import Store
 from tests.conftest import POSTGRES_URL, _fresh_postgres, make_settings
 from tests.faultkit import Workers, wait_for
-from tests.helpers import enqueue_paths, wait_settled
+from tests.helpers import context_for, enqueue_paths, wait_settled, write_dataset
 from tests.test_faults_input import cli
-from tests.test_pipeline_e2e import write_dataset
-from tests.test_steps import context_for
 from workers.pipeline import run_sample
 
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import requests
@@ -13,16 +12,13 @@ from common.schema import results
 from common.settings import Settings
 from common.store import Store
 from common.tokenids import unpack
-from tests.helpers import assert_invariants, enqueue_paths, running_worker, wait_settled
-
-
-def write_dataset(folder: Path, name: str, n: int, start: int = 0) -> Path:
-    path = folder / f"{name}.jsonl"
-    with path.open("w") as fh:
-        for i in range(start, start + n):
-            msgs = [{"role": "user", "content": f"{name} question number {i}: explain item {i}."}]
-            fh.write(json.dumps({"id": f"{name}-{i}", "messages": msgs}) + "\n")
-    return path
+from tests.helpers import (
+    assert_invariants,
+    enqueue_paths,
+    running_worker,
+    wait_settled,
+    write_dataset,
+)
 
 
 def test_three_datasets_end_to_end(

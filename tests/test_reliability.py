@@ -19,8 +19,7 @@ from common.settings import Settings
 from common.store import Store
 from tests.conftest import make_settings
 from tests.faultkit import held_unacked
-from tests.helpers import assert_invariants, enqueue_paths, wait_settled
-from tests.test_pipeline_e2e import write_dataset
+from tests.helpers import assert_invariants, enqueue_paths, wait_settled, write_dataset
 
 RECOVERY_LIMIT_S = 60.0
 

@@ -16,8 +16,7 @@ from common.budget import Budget
 from common.ledger import Ledger
 from common.store import Store
 from tests.conftest import make_settings
-from tests.helpers import assert_invariants, enqueue_paths, wait_settled
-from tests.test_pipeline_e2e import write_dataset
+from tests.helpers import assert_invariants, enqueue_paths, wait_settled, write_dataset
 
 EXACT_BUDGET = 3_000
 

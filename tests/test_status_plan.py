@@ -23,8 +23,7 @@ from common.store import Store, as_utc
 from ops.cli import main
 from ops.plan import MIN_OBSERVED, add_plan_parser, run_plan
 from ops.status import duration, eta_seconds
-from tests.helpers import running_worker, wait_settled
-from tests.test_pipeline_e2e import write_dataset
+from tests.helpers import running_worker, wait_settled, write_dataset
 
 STATUS_KEYS = {
     "name", "state", "prompts", "done", "failed", "skipped", "queued", "used_tokens",

@@ -17,17 +17,10 @@ from common.budget import Budget
 from common.ledger import Charge, ChargeResult, Ledger
 from common.settings import Settings
 from common.store import Store
-from tests.helpers import assert_invariants, enqueue_paths
-from tests.test_pipeline_e2e import write_dataset
+from tests.helpers import assert_invariants, context_for, enqueue_paths, write_dataset
 from workers import steps
 from workers.context import WorkerContext
 from workers.pipeline import Outcome, run_sample
-
-
-def context_for(settings: Settings, tmp_path: Path, name: str, n: int) -> WorkerContext:
-    """A worker's context (no Celery) over a new dataset of ``n`` prompts."""
-    enqueue_paths(settings, [str(write_dataset(tmp_path, name, n))])
-    return WorkerContext.build(settings)
 
 
 class Acks:

@@ -18,8 +18,13 @@ from common.settings import Settings
 from common.sglang_client import parse_completion
 from common.store import Store
 from tests.conftest import make_settings
-from tests.helpers import assert_invariants, enqueue_paths, running_worker, wait_settled
-from tests.test_pipeline_e2e import write_dataset
+from tests.helpers import (
+    assert_invariants,
+    enqueue_paths,
+    running_worker,
+    wait_settled,
+    write_dataset,
+)
 from workers.context import get_context
 
 
