@@ -19,17 +19,13 @@ from common.settings import Settings
 from common.sglang_client import SGLangClient
 from common.store import DatasetRow, Store
 from workers import steps
-from workers.grouping import GroupCall
+from workers.grouping import LINGER_S, MAX_GROUP, GroupCall
 from workers.inflight import LiveRids
-from workers.results import LINGER_S, MAX_GROUP, ResultWriter
+from workers.results import ResultWriter
 
 log = logging.getLogger(__name__)
 DATASET_CACHE_S = 5.0
 Decoder = Callable[[Sequence[int]], str]
-# Longest a task about to send its request waits for others to share its prompt read and
-# admission (workers/steps.py), and only while tasks start closer together than this
-# (workers/grouping.py); at a real server's pace it does not wait at all.
-ADMIT_LINGER_S = 0.02
 
 
 @dataclass
@@ -61,7 +57,7 @@ class WorkerContext:
         # round").
         enough = max(1, min(most, self.settings.concurrency // 2))
         self.admissions = GroupCall(lambda items: steps.admit_group(self, items),
-                                    max_group=most, linger_s=ADMIT_LINGER_S, enough=enough)
+                                    max_group=most, linger_s=LINGER_S, enough=enough)
         self.settlements = GroupCall(lambda items: steps.settle_group(self, items),
                                      max_group=most, linger_s=LINGER_S, enough=enough)
 

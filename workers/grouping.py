@@ -24,6 +24,14 @@ GAP_WEIGHT = 0.2
 # One long pause counts as this many lingers at most, so that after an idle spell the mean
 # is back below the linger within a few calls of a new burst.
 GAP_CAP = 4
+# Most items one batch call takes: a worker's default concurrency.
+MAX_GROUP = 64
+# Longest a leader waits for company, and only while calls come closer together than this:
+# at a real server's pace (seconds a request) nobody waits. At full rate a commit on SQLite
+# is shorter than the gap between two results, so without a linger most groups would be
+# one row. 20 ms for both steps: 10 ms cost more switches and completions/s, 30 ms gained
+# nothing (docs/PERFORMANCE_EXPERIMENTS.md, the second, fourth and eleventh rounds).
+LINGER_S = 0.02
 
 
 def _held() -> threading.Lock:
