@@ -4,7 +4,8 @@ dead (``down_for_s``) and a server process stopped and started again on the same
 
 What is measured besides the run invariants: the most requests one sample cost (bounded
 by ``max_attempts``), whether each prompt's counted attempts equal the failed requests the
-server saw for it, the shortest gap between two tries of a sample (the backoff), and how
+server saw for it (after a process restart, plus at most the requests the stopping process
+cut off unlogged), the shortest gap between two tries of a sample (the backoff), and how
 long generation stalled after an outage.
 """
 
