@@ -148,6 +148,21 @@ def test_two_deliveries_of_a_sample_in_one_group_store_one_and_say_so(db_url: st
     assert rid == f"r1-{won[0]}"
 
 
+def test_a_group_with_samples_stored_before_reports_only_the_new_ones(db_url: str) -> None:
+    store = Store(db_url)
+    add_prompts(store, 4)
+    assert store.save_results([row(1, rid="first")]) == {("w", "s1")}
+    # Across column sets too: s3 leaves out a column, so it goes in its own INSERT.
+    bare3 = {k: v for k, v in row(3, rid="again").items() if k != "cached_tokens"}
+    assert store.save_results([row(0), row(1, rid="again"), row(2), bare3]) == {
+        ("w", "s0"), ("w", "s2"), ("w", "s3")}
+    assert store.save_results([row(2, rid="third"), bare3]) == set()
+    with store.engine.connect() as conn:
+        rids = dict(conn.execute(sa.select(results.c.sample_id, results.c.rid)).all())
+    assert rids == {"s0": "r0", "s1": "first", "s2": "r2", "s3": "again"}
+    assert stored(store) == {"results": 4, "states": {"done": 4}}
+
+
 def test_rows_written_for_the_driver_read_back_as_sqlalchemy_writes_them(db_url: str) -> None:
     store = Store(db_url)
     add_prompts(store, 2)
