@@ -29,8 +29,9 @@ MAX_GROUP = 64
 # Longest a leader waits for company, and only while calls come closer together than this:
 # at a real server's pace (seconds a request) nobody waits. At full rate a commit on SQLite
 # is shorter than the gap between two results, so without a linger most groups would be
-# one row. 20 ms for both steps: 10 ms cost more switches and completions/s, 30 ms gained
-# nothing (docs/PERFORMANCE_EXPERIMENTS.md, the second, fourth and eleventh rounds).
+# one row. 20 ms for both steps: at 10 ms tasks switched threads more and the rate fell,
+# 30 ms gained nothing (docs/PERFORMANCE_EXPERIMENTS.md, the second, fourth and eleventh
+# rounds).
 LINGER_S = 0.02
 
 
