@@ -69,7 +69,7 @@ def sglang_faults(stack: Stack, per_dataset: int, phases: tuple[str, ...] = ALL_
     started = time.monotonic()
     names = ["sg_a", "sg_b"]
     enqueue(stack, _manifest(stack, {n: (per_dataset, None) for n in names}))
-    faults, recovery = [], []
+    faults, recovery, restarted = [], [], False
     with start_workers(stack) as workers:
         for phase in phases:
             _wait_some_done(stack, names)
@@ -77,14 +77,14 @@ def sglang_faults(stack: Stack, per_dataset: int, phases: tuple[str, ...] = ALL_
                 break  # too little work left for this phase to hit anything
             back = _inject(stack, phase, hold_s)
             faults.append(f"{phase} for {hold_s:.1f}s")
+            restarted = restarted or phase == "process_restart"
             if phase in OUTAGES:
                 recovery.append(first_completion_after(stack, back))
         settle_reviving(stack, workers, names)
         quiesce(stack.ledger, names)
     outcome = finish(stack, "SGLang faults", names, started, faults=faults,
                       recovery_s=recovery)
-    restarted = any(f.startswith("process_restart") for f in faults)
-    outcome.notes.update(attempt_accounting(stack, names, restarted))
+    outcome.notes.update(attempt_accounting(stack, names, workers.log if restarted else None))
     return outcome
 
 
@@ -119,19 +119,21 @@ def _unanswered(workers_log: Path) -> collections.Counter[tuple[str, str]]:
     return counts
 
 
-def attempt_accounting(stack: Stack, names: list[str], restarted: bool = False) -> dict[str, Any]:
+def attempt_accounting(stack: Stack, names: list[str],
+                       restart_log: Path | None = None) -> dict[str, Any]:
     """Compare each prompt's counted attempts with the failed requests the server saw.
 
-    After a server process restart (``restarted``) one kind of failure is in no server
-    log: a request that reached the stopping process on a kept-alive connection, but no
-    handler that would log it (unread when the process closed the socket, or read after
-    the log was closed). The worker sees the connection reset or closed unanswered and
-    rightly counts an attempt: it cannot tell whether the request ran. So, in such a run
-    only, a sample's counted attempts may exceed its logged failures by its unanswered
-    closes beyond the disconnects the server logged for it, and by no more."""
+    After a server process restart (``restart_log``: the workers' log of such a run) one
+    kind of failure is in no server log: a request that reached the stopping process on a
+    kept-alive connection, but no handler that would log it (unread when the process
+    closed the socket, or read after the log was closed). The worker sees the connection
+    reset or closed unanswered and rightly counts an attempt: it cannot tell whether the
+    request ran. So, in such a run only, a sample's counted attempts may exceed its logged
+    failures by its unanswered closes beyond the disconnects the server logged for it,
+    and by no more."""
     per_sample = requests_per_sample(stack.store, names,
                                      load_requests(log_file=stack.sim.log_file))
-    unanswered = _unanswered(stack.tmp / "workers.log") if restarted else collections.Counter()
+    unanswered = _unanswered(restart_log) if restart_log else collections.Counter()
     q = sa.select(prompts.c.dataset, prompts.c.sample_id, prompts.c.state, prompts.c.attempts,
                   prompts.c.error).where(prompts.c.dataset.in_(names))
     mismatched, errors_missing, gaps = [], 0, []
