@@ -113,10 +113,19 @@ def _unanswered(workers_log: Path) -> collections.Counter[tuple[str, str]]:
     counts: collections.Counter[tuple[str, str]] = collections.Counter()
     if workers_log.exists():
         for line in workers_log.read_text(errors="replace").splitlines():
-            m = _ATTEMPT_LINE.search(line)
-            if m and any(error in m.group(3) for error in _UNANSWERED):
-                counts[(m.group(1), m.group(2))] += 1
+            sample = unanswered_attempt(line)
+            if sample is not None:
+                counts[sample] += 1
     return counts
+
+
+def unanswered_attempt(line: str) -> tuple[str, str] | None:
+    """The (dataset, sample_id) of a workers' log line that counts an attempt whose
+    connection was closed or reset before an answer came; None for any other line."""
+    m = _ATTEMPT_LINE.search(line)
+    if m and any(error in m.group(3) for error in _UNANSWERED):
+        return m.group(1), m.group(2)
+    return None
 
 
 def attempt_accounting(stack: Stack, names: list[str],

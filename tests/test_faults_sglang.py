@@ -9,8 +9,10 @@ each counted attempt matching a failed request the server saw, the error recorde
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterator
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import redis
@@ -19,9 +21,16 @@ from common.ledger import Ledger
 from common.store import Store
 from tests.conftest import make_settings
 from tests.faultkit import PrivateRedis, Sim, sim_faults, sim_log
-from tests.faultkit_sglang import BASE_DECODE, sglang_faults
+from tests.faultkit_sglang import BASE_DECODE, sglang_faults, unanswered_attempt
 from tests.faultkit_stack import Outcome, Stack
-from tests.helpers import enqueue_paths, running_worker, wait_settled, write_dataset
+from tests.helpers import (
+    context_for,
+    enqueue_paths,
+    running_worker,
+    wait_settled,
+    write_dataset,
+)
+from workers.tasks import _attempt
 
 RECOVERY_LIMIT_S = 60.0
 MAX_ATTEMPTS = 8
@@ -116,3 +125,34 @@ def test_a_fault_that_never_clears_fails_the_sample_and_counts_nothing(
     assert len(sim_log(sim)) == 6  # three requests per sample, no more
     state = ledger.state("stuck")
     assert (state.used_tokens, state.samples, state.reserved_tokens, state.inflight) == (0,) * 4
+
+
+class _Retry(Exception):
+    """What the test's stand-in for a Celery task raises where Celery would retry."""
+
+    def __init__(self, countdown: float) -> None:
+        super().__init__(countdown)
+
+
+@pytest.mark.parametrize("max_attempts", [3, 1], ids=["retried", "last-attempt"])
+def test_the_restart_allowance_reads_what_a_worker_logs_for_an_unanswered_attempt(
+    max_attempts: int, sqlite_url: str, sim: str, redis_client: redis.Redis, tmp_path: Path,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The restart runs' attempt accounting finds unanswered attempts in the workers' log:
+    reworded, its lines would quietly make that allowance zero, so a real line is parsed.
+    A dropped connection counts an attempt, retried or the last one."""
+    settings = make_settings(sqlite_url, sim, max_attempts=max_attempts)
+    ctx = context_for(settings, tmp_path, "unanswered", 1)
+    sim_faults(sim, disconnect_next=1)
+    task = SimpleNamespace(request=SimpleNamespace(properties={}), retry=_Retry)
+    with caplog.at_level(logging.INFO, logger="workers.tasks"):
+        if max_attempts > 1:
+            with pytest.raises(_Retry):
+                _attempt(task, ctx, settings, "unanswered", "unanswered-0")
+        else:
+            assert _attempt(task, ctx, settings, "unanswered", "unanswered-0") == "failed"
+    found = [unanswered_attempt(r.getMessage()) for r in caplog.records]
+    assert [f for f in found if f is not None] == [("unanswered", "unanswered-0")], found
+    row = ctx.store.prompt("unanswered", "unanswered-0")
+    assert row is not None and row.attempts == 1
