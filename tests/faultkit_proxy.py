@@ -14,6 +14,9 @@ import threading
 
 from ops.localredis import free_port
 
+# Longest the reply mode waits for Redis to answer the marked command before resetting.
+REPLY_WAIT_S = 5.0
+
 
 class ResetProxy:
     def __init__(self, target_port: int, marker: bytes, drop: str = "request") -> None:
@@ -59,32 +62,39 @@ class ResetProxy:
 
     async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         up_reader, up_writer = await asyncio.open_connection("127.0.0.1", self.target_port)
-        hit = asyncio.Event()
+        hit = asyncio.Event()  # the marked command came: nothing more reaches the client
+        sent = asyncio.Event()  # drop="reply": the marked command went on to Redis
+        answered = asyncio.Event()  # and Redis answered it: it has run
         try:
-            await asyncio.gather(self._upstream(reader, up_writer, hit),
-                                 self._downstream(up_reader, writer, hit),
+            await asyncio.gather(self._upstream(reader, up_writer, hit, sent, answered),
+                                 self._downstream(up_reader, writer, hit, sent, answered),
                                  return_exceptions=True)
         finally:
             for w in (writer, up_writer):
                 w.transport.abort()
 
     async def _upstream(self, reader: asyncio.StreamReader, up: asyncio.StreamWriter,
-                        hit: asyncio.Event) -> None:
+                        hit: asyncio.Event, sent: asyncio.Event, answered: asyncio.Event) -> None:
         while data := await reader.read(65536):
             if self.armed.is_set() and self.marker in data:
                 self.resets += 1
-                hit.set()  # nothing more reaches the client, the answer included
                 if self.drop == "reply":
+                    sent.set()
                     up.write(data)
                     with contextlib.suppress(ConnectionError):
                         await up.drain()
-                    await asyncio.sleep(0.05)  # Redis runs it before the reset
+                    # Reset only once Redis has answered: a fixed pause let a starved Redis
+                    # run the command after the client's next call on a new connection.
+                    with contextlib.suppress(TimeoutError):
+                        await asyncio.wait_for(answered.wait(), REPLY_WAIT_S)
+                hit.set()
                 return
             up.write(data)
             await up.drain()
 
     async def _downstream(self, up_reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
-                          hit: asyncio.Event) -> None:
+                          hit: asyncio.Event, sent: asyncio.Event,
+                          answered: asyncio.Event) -> None:
         while not hit.is_set():
             read = asyncio.ensure_future(up_reader.read(65536))
             stop = asyncio.ensure_future(hit.wait())
@@ -95,6 +105,11 @@ class ResetProxy:
                     if not pending.done():
                         pending.cancel()
             if stop in done or not read.result():
+                return
+            if sent.is_set():
+                # The client waits for each answer before its next command, so what comes
+                # now answers the marked one: dropped.
+                answered.set()
                 return
             writer.write(read.result())
             await writer.drain()
