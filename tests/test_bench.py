@@ -43,6 +43,9 @@ def test_overhead_always_compares_with_the_same_http_client_and_profiles_at_full
     assert full["overhead"] == ["--bare-sglang", "--profile"]
     assert quick["overhead"] == ["--bare-sglang", "--quick"]
     assert "--profile" not in _flags(["--no-profile"])["overhead"]
+    # Beside it, every leg on a worker process per core, never profiled (py-spy follows one).
+    assert full["overhead-per-core"] == ["--bare-sglang", "--workers", "cores"]
+    assert quick["overhead-per-core"] == ["--bare-sglang", "--workers", "cores", "--quick"]
     assert list(_flags(["--only", "guard,memory"])) == ["memory", "guard"]
 
 
@@ -66,6 +69,10 @@ def test_overhead_rows_judge_each_ratio_and_rate_against_its_target() -> None:
     assert rows["pipeline sqlite / bare (same HTTP client)"] == ("0.450", "MISSED")
     assert rows["pipeline postgresql, completions/s"] == ("380", "MISSED")
     assert rows["bare Celery task (same HTTP client), completions/s"] == ("1,200", "-")
+    per_core = {figure: (value, verdict) for bench, figure, value, _, verdict in
+                headline({"overhead-per-core": {**overhead, "workers": 2}})}
+    assert per_core["pipeline sqlite / bare (same HTTP client), 2 worker processes"] == (
+        "0.450", "MISSED")
 
 
 def test_the_guards_reference_case_is_shown_but_not_judged() -> None:
@@ -248,3 +255,21 @@ def test_a_benchmark_run_alone_makes_its_directory(tmp_path: Path) -> None:
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.startswith("http://127.0.0.1:")
     assert (workdir / "sim.log").stat().st_size > 0
+
+
+def test_the_overhead_legs_run_on_as_many_worker_processes_as_asked(
+        tmp_path: Path, redis_client: redis.Redis) -> None:
+    """``--workers 2``: every leg, the bare tasks' included, is measured over two worker
+    processes, so the ratio compares the same settings."""
+    env = {**os.environ, "DATAGEN_BENCH_REDIS_URL": REDIS_URL, "DATAGEN_BENCH_DIR": str(tmp_path)}
+    done = subprocess.run(
+        [sys.executable, "-m", "ops.bench.overhead", "--dbs", "sqlite", "--samples", "200",
+         "--rounds", "1", "--workers", "2", "--concurrency", "8", "--bare-sglang"],
+        env=env, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    line = next(x for x in done.stdout.splitlines() if x.startswith("bench-result"))
+    results = json.loads(line.removeprefix("bench-result").strip())
+    for kind in ("sqlite", "bare", "bare-sglang"):
+        assert results[kind]["worker_processes"] == 2, kind
+        assert results[kind]["rate"]["median"] > 0, kind
+    assert "2 worker process(es) at c=8" in done.stdout

@@ -133,9 +133,9 @@ def _hotpath(r: dict[str, Any]) -> str:
 
 
 SECTIONS: dict[str, Callable[[dict[str, Any]], str]] = {
-    "saturation": _saturation, "overhead": _overhead, "producer": _producer,
-    "guard": _guard, "overshoot": _overshoot, "memory": _memory, "scaling": _scaling,
-    "hotpath": _hotpath,
+    "saturation": _saturation, "overhead": _overhead, "overhead-per-core": _overhead,
+    "producer": _producer, "guard": _guard, "overshoot": _overshoot, "memory": _memory,
+    "scaling": _scaling, "hotpath": _hotpath,
 }
 
 

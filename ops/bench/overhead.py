@@ -8,8 +8,10 @@ the bare task (same options, same messages, same HTTP call). Targets: pipeline /
 so their per-task CPU can be compared step by step.
 ``--baseline DIR`` adds, in each round, a leg per database whose worker runs the code of
 another checkout (e.g. ``git archive HEAD | tar -x -C DIR``): old and new side by side.
+``--workers N`` runs every leg, bare ones included, on N worker processes of
+``--concurrency`` threads each (default one process of 64; ``cores``: one per core).
 
-    python -m ops.bench.overhead [--quick] [--profile] [--baseline DIR]
+    python -m ops.bench.overhead [--quick] [--profile] [--baseline DIR] [--workers N|cores]
 """
 
 from __future__ import annotations
@@ -55,7 +57,10 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--samples", type=int, help="samples per leg (default 3000)")
     p.add_argument("--rounds", type=int, help="rounds of (pipeline..., bare) (default 3)")
     p.add_argument("--dbs", default="sqlite,postgresql")
-    p.add_argument("--concurrency", type=int, default=64)
+    p.add_argument("--concurrency", type=int, default=64, help="threads per worker process")
+    p.add_argument("--workers", type=_processes, default=1,
+                   help="worker processes per leg, the same in every leg: a number, or "
+                        "'cores' for one per core this process may run on (default 1)")
     p.add_argument("--profile", action="store_true",
                    help="one more leg under py-spy, on the first of --dbs")
     p.add_argument("--baseline", type=Path, help="a checkout whose worker code to compare with")
@@ -65,6 +70,15 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     args.samples = args.samples or (600 if args.quick else 3000)
     args.rounds = args.rounds or (2 if args.quick else 3)
     return args
+
+
+def _processes(value: str) -> int:
+    if value == "cores":
+        return len(os.sched_getaffinity(0))
+    n = int(value)
+    if n < 1:
+        raise argparse.ArgumentTypeError("at least one worker process")
+    return n
 
 
 BASELINE_SUFFIX = "@baseline"
@@ -78,19 +92,22 @@ def one_leg(procs: Processes, sim: tuple[str, int], args: argparse.Namespace, ki
     fresh_redis()
     settings = bench_settings(fresh_db(db, tag=db), sim[0], args.concurrency)
     enqueue(settings, prompt_files(n), max_new_tokens=1024)
+    w = args.workers
     if kind == "bare":
-        return bare_celery_leg(procs, "bare celery task", settings, sim, n, on_start=on_start)
+        return bare_celery_leg(procs, "bare celery task", settings, sim, n, workers=w,
+                               on_start=on_start)
     if kind == BARE_SGLANG:
-        os.environ["DATAGEN_BENCH_BARE_CLIENT"] = "sglang"  # read by the worker it starts
+        os.environ["DATAGEN_BENCH_BARE_CLIENT"] = "sglang"  # read by the workers it starts
         try:
             return bare_celery_leg(procs, "bare celery task, SGLangClient", settings, sim, n,
-                                   on_start=on_start)
+                                   workers=w, on_start=on_start)
         finally:
             del os.environ["DATAGEN_BENCH_BARE_CLIENT"]
     if kind.endswith(BASELINE_SUFFIX):
         with workers_from(args.baseline):
-            return pipeline_leg(procs, f"pipeline {kind}", settings, sim, n)
-    return pipeline_leg(procs, f"pipeline {kind}", settings, sim, n, on_start=on_start)
+            return pipeline_leg(procs, f"pipeline {kind}", settings, sim, n, workers=w)
+    return pipeline_leg(procs, f"pipeline {kind}", settings, sim, n, workers=w,
+                        on_start=on_start)
 
 
 @contextlib.contextmanager
@@ -251,7 +268,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 def report(args: argparse.Namespace, legs: dict[str, list[Leg]],
            prof: dict[str, Any] | None) -> dict[str, Any]:
     bare, lean = legs["bare"], legs.get(BARE_SGLANG)
-    rows, figures = [], {}
+    rows: list[tuple[str, ...]] = []
+    figures: dict[str, Any] = {}
     for kind, runs in legs.items():
         rate = Summary.of([leg.rate for leg in runs])
         ratio = _ratios(runs, bare)
@@ -274,11 +292,12 @@ def report(args: argparse.Namespace, legs: dict[str, list[Leg]],
                          "consumer_switches_per_task": consumer_cs,
                          "sim_cpu_ms_per_task": sim_ms, "sim_core_pct": sim_core,
                          "redis_cpu_ms_per_task": redis_ms,
-                         "machine_cpu_ms_per_task": machine_ms, "steal_core_pct": steal}
+                         "machine_cpu_ms_per_task": machine_ms, "steal_core_pct": steal,
+                         "worker_processes": max(leg.worker_processes for leg in runs)}
         if lean:
             figures[kind]["ratio_to_bare_sglang_client"] = _ratios(runs, lean)
     table(f"overhead at max rate: {args.samples} samples/leg, {args.rounds} rounds, "
-          f"c={args.concurrency} (median [min-max])",
+          f"{args.workers} worker process(es) at c={args.concurrency} (median [min-max])",
           ["leg", "completions/s", "ratio to bare",
            *(["ratio to bare, SGLangClient"] if lean else []), "worker CPU ms/task",
            "worker switches/task", "consumer (main thread) CPU ms/task",
@@ -302,8 +321,9 @@ def _ratios(runs: list[Leg], base: list[Leg]) -> Summary:
 def main(argv: list[str] | None = None) -> int:
     args = parse(argv)
     figures = run(args)
-    emit("overhead", args, {"samples": args.samples,
-                            "rounds": args.rounds, **figures})
+    emit("overhead", args, {"samples": args.samples, "rounds": args.rounds,
+                            "workers": args.workers, "concurrency": args.concurrency,
+                            **figures})
     return 0
 
 

@@ -65,6 +65,11 @@ class Leg:
     def switches_per_task(self, who: str) -> float:
         return self.switches.get(who, 0) / max(1, self.completions)
 
+    @property
+    def worker_processes(self) -> int:
+        """How many worker processes were measured (``worker0``, ``worker1``...)."""
+        return sum(1 for k in self.cpu_s if k.startswith("worker") and k != "workers")
+
 
 def busy_window(entries: list[dict[str, Any]], leg: Leg) -> Leg:
     """Fill ``leg`` from the log: completions and tokens after the first, over the window."""
@@ -194,26 +199,29 @@ def dump_payloads(settings: Settings, out: Path) -> list[str]:
 
 
 def bare_celery_leg(procs: Processes, label: str, settings: Settings, sim: tuple[str, int],
-                    expected: int, timeout_s: float = 600,
+                    expected: int, *, workers: int = 1, timeout_s: float = 600,
                     on_start: Callable[[list[subprocess.Popen[bytes]]], None] | None = None
                     ) -> Leg:
-    """The baseline: a bare Celery task making the same HTTP call, same worker options."""
+    """The baseline: a bare Celery task making the same HTTP call, same worker options
+    (``workers`` processes, as ``pipeline_leg``)."""
     sim_url, sim_pid = sim
     payload_file = WORKDIR / "tmp" / "payloads.json"
     queues = dump_payloads(settings, payload_file)
     sim_reset(sim_url)
-    argv = [sys.executable, "-m", "celery", "-A", "ops.bench.bare_worker", "worker",
-            "--pool=threads", f"--concurrency={settings.concurrency}", "--loglevel=WARNING",
-            "--without-gossip", "--without-mingle", "-Q", ",".join(queues),
-            f"--hostname=bare-{time.monotonic_ns()}@bench"]
     env = {**settings.to_env(), "DATAGEN_BENCH_PAYLOADS": str(payload_file)}
-    proc = procs.start(argv, env=env, log=WORKDIR / "bare-worker.log")
+    started = [procs.start(
+        [sys.executable, "-m", "celery", "-A", "ops.bench.bare_worker", "worker",
+         "--pool=threads", f"--concurrency={settings.concurrency}", "--loglevel=WARNING",
+         "--without-gossip", "--without-mingle", "-Q", ",".join(queues),
+         f"--hostname=bare{k}-{time.monotonic_ns()}@bench"],
+        env=env, log=WORKDIR / f"bare-worker{k}.log") for k in range(workers)]
     try:
         if on_start:
-            on_start([proc])
-        cpu, switches = watch(sim_url, expected,
-                              {"sim": sim_pid, **service_pids(settings), "worker0": proc.pid},
-                              timeout_s)
+            on_start(started)
+        pids = {"sim": sim_pid, **service_pids(settings),
+                **{f"worker{k}": p.pid for k, p in enumerate(started)}}
+        cpu, switches = watch(sim_url, expected, pids, timeout_s)
     finally:
-        procs.stop(proc)
+        for proc in started:
+            procs.stop(proc)
     return measured_leg(label, sim_url, cpu, switches)

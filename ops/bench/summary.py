@@ -36,20 +36,25 @@ def _saturation(r: Any) -> list[Row]:
                  lambda v: v >= 0.97)]
 
 
-def _overhead(r: Any) -> list[Row]:
-    rows = [_row("overhead", "bare Celery task (requests), completions/s",
+def _overhead(r: Any, bench: str = "overhead", where: str = "") -> list[Row]:
+    rows = [_row(bench, f"bare Celery task (requests), completions/s{where}",
                  _med(r, "bare", "rate"), ",.0f", "-", None),
-            _row("overhead", "bare Celery task (same HTTP client), completions/s",
+            _row(bench, f"bare Celery task (same HTTP client), completions/s{where}",
                  _med(r, "bare-sglang", "rate"), ",.0f", "-", None)]
     for kind in ("sqlite", "postgresql"):
-        rows.append(_row("overhead", f"pipeline {kind}, completions/s",
+        rows.append(_row(bench, f"pipeline {kind}, completions/s{where}",
                          _med(r, kind, "rate"), ",.0f", ">= 400", lambda v: v >= 400))
-        rows.append(_row("overhead", f"pipeline {kind} / bare (requests)",
+        rows.append(_row(bench, f"pipeline {kind} / bare (requests){where}",
                          _med(r, kind, "ratio_to_bare"), ".3f", ">= 0.8", lambda v: v >= 0.8))
-        rows.append(_row("overhead", f"pipeline {kind} / bare (same HTTP client)",
+        rows.append(_row(bench, f"pipeline {kind} / bare (same HTTP client){where}",
                          _med(r, kind, "ratio_to_bare_sglang_client"), ".3f", ">= 0.8",
                          lambda v: v >= 0.8))
     return rows
+
+
+def _overhead_per_core(r: Any) -> list[Row]:
+    n = _get(r, "workers")
+    return _overhead(r, "overhead-per-core", f", {n if n else '?'} worker processes")
 
 
 def _producer(r: Any) -> list[Row]:
@@ -106,8 +111,9 @@ def _scaling(r: Any) -> list[Row]:
 
 
 EXTRACTORS: dict[str, Callable[[Any], list[Row]]] = {
-    "saturation": _saturation, "overhead": _overhead, "producer": _producer,
-    "guard": _guard, "overshoot": _overshoot, "memory": _memory, "scaling": _scaling,
+    "saturation": _saturation, "overhead": _overhead,
+    "overhead-per-core": _overhead_per_core, "producer": _producer, "guard": _guard,
+    "overshoot": _overshoot, "memory": _memory, "scaling": _scaling,
 }
 
 
