@@ -27,8 +27,8 @@ BENCHES: tuple[tuple[str, str, tuple[str, ...], tuple[str, ...]], ...] = (
     ("saturation", "ops.bench.saturation", (), ()),
     # The bare task with the pipeline's own HTTP client is the strict comparison.
     ("overhead", "ops.bench.overhead", ("--bare-sglang",), ("--profile",)),
-    # The same with a worker process per core, each legs' alike: a single process is held
-    # to one core by the GIL while the machine has two.
+    # The same with a worker process per core, every leg alike: one process's Python runs
+    # on one core at a time (the GIL), whatever the machine has.
     ("overhead-per-core", "ops.bench.overhead", ("--bare-sglang", "--workers", "cores"), ()),
     ("scaling", "ops.bench.scaling", (), ()),
     ("producer", "ops.bench.producer_rate", (), ("--profile",)),
