@@ -29,6 +29,7 @@ from ops.bench.harness import (
     main_thread,
     wait_until,
 )
+from ops.bench.report import RESULT_PREFIX
 from ops.bench.runs import watch
 from ops.bench.summary import headline
 from tests.conftest import POSTGRES_URL, REDIS_URL, ROOT
@@ -267,8 +268,8 @@ def test_the_overhead_legs_run_on_as_many_worker_processes_as_asked(
          "--rounds", "1", "--workers", "2", "--concurrency", "8", "--bare-sglang"],
         env=env, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    line = next(x for x in done.stdout.splitlines() if x.startswith("bench-result"))
-    results = json.loads(line.removeprefix("bench-result").strip())
+    line = next(x for x in done.stdout.splitlines() if x.startswith(RESULT_PREFIX))
+    results = json.loads(line.removeprefix(RESULT_PREFIX))
     for kind in ("sqlite", "bare", "bare-sglang"):
         assert results[kind]["worker_processes"] == 2, kind
         assert results[kind]["rate"]["median"] > 0, kind

@@ -156,16 +156,11 @@ def pipeline_leg(procs: Processes, label: str, settings: Settings, sim: tuple[st
                  expected: int, *, workers: int = 1, timeout_s: float = 600,
                  on_start: Callable[[list[subprocess.Popen[bytes]]], None] | None = None) -> Leg:
     """``workers`` × ``datagen worker`` over what is enqueued; stopped before returning."""
-    sim_url, sim_pid = sim
-    sim_reset(sim_url)
+    sim_reset(sim[0])
     started = [start_worker(procs, settings, settings.concurrency, tag=f"worker{k}")
                for k in range(workers)]
     try:
-        if on_start:
-            on_start(started)
-        pids = {"sim": sim_pid, **service_pids(settings),
-                **{f"worker{k}": p.pid for k, p in enumerate(started)}}
-        cpu, switches = watch(sim_url, expected, pids, timeout_s)
+        cpu, switches = _watch_workers(started, settings, sim, expected, timeout_s, on_start)
         store = Store(settings.database_url)
         ok = wait_until(lambda: settled(store), 60, 0.5)
         store.engine.dispose()
@@ -174,7 +169,20 @@ def pipeline_leg(procs: Processes, label: str, settings: Settings, sim: tuple[st
     finally:
         for proc in started:
             procs.stop(proc)
-    return measured_leg(label, sim_url, cpu, switches)
+    return measured_leg(label, sim[0], cpu, switches)
+
+
+def _watch_workers(started: list[subprocess.Popen[bytes]], settings: Settings,
+                   sim: tuple[str, int], expected: int, timeout_s: float,
+                   on_start: Callable[[list[subprocess.Popen[bytes]]], None] | None
+                   ) -> tuple[dict[str, float], dict[str, int]]:
+    """``watch`` the started workers (``worker0``, ``worker1``...), the simulator and the
+    services until the server has answered ``expected`` requests."""
+    if on_start:
+        on_start(started)
+    pids = {"sim": sim[1], **service_pids(settings),
+            **{f"worker{k}": p.pid for k, p in enumerate(started)}}
+    return watch(sim[0], expected, pids, timeout_s)
 
 
 def dump_payloads(settings: Settings, out: Path) -> list[str]:
@@ -204,10 +212,9 @@ def bare_celery_leg(procs: Processes, label: str, settings: Settings, sim: tuple
                     ) -> Leg:
     """The baseline: a bare Celery task making the same HTTP call, same worker options
     (``workers`` processes, as ``pipeline_leg``)."""
-    sim_url, sim_pid = sim
     payload_file = WORKDIR / "tmp" / "payloads.json"
     queues = dump_payloads(settings, payload_file)
-    sim_reset(sim_url)
+    sim_reset(sim[0])
     env = {**settings.to_env(), "DATAGEN_BENCH_PAYLOADS": str(payload_file)}
     started = [procs.start(
         [sys.executable, "-m", "celery", "-A", "ops.bench.bare_worker", "worker",
@@ -216,12 +223,8 @@ def bare_celery_leg(procs: Processes, label: str, settings: Settings, sim: tuple
          f"--hostname=bare{k}-{time.monotonic_ns()}@bench"],
         env=env, log=WORKDIR / f"bare-worker{k}.log") for k in range(workers)]
     try:
-        if on_start:
-            on_start(started)
-        pids = {"sim": sim_pid, **service_pids(settings),
-                **{f"worker{k}": p.pid for k, p in enumerate(started)}}
-        cpu, switches = watch(sim_url, expected, pids, timeout_s)
+        cpu, switches = _watch_workers(started, settings, sim, expected, timeout_s, on_start)
     finally:
         for proc in started:
             procs.stop(proc)
-    return measured_leg(label, sim_url, cpu, switches)
+    return measured_leg(label, sim[0], cpu, switches)
