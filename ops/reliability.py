@@ -76,6 +76,13 @@ closed by their budget keep their remaining prompts `queued`, by design.
    for good (16 after two kills), which would hold a drain dataset near its budget waiting
    forever. The reaper now frees reservations no live worker claims
    (`test_worker_sigkills_lose_nothing_and_leave_no_reservation`).
+6. Fixed: a task that met a Redis outage (Redis unreachable, its data kept: `redis-outage`)
+   sent its retry into the same outage. Celery turns a retry it cannot send into a reject
+   without requeue, so the sample waited for the workers' sweep (5-10 min) or, when the
+   reject failed too, for the visibility timeout (41 min by default): 14 of 300 prompts
+   after one 4 s outage at the quick scale. A task now holds its message and sends the
+   retry again until Redis answers
+   (`test_tasks_whose_retry_cannot_be_sent_while_redis_is_away_are_not_delayed`).
 """
 
 
@@ -88,6 +95,8 @@ class Spec:
     sim: dict[str, Any] = field(default_factory=lambda: dict(PACED))
     settings: dict[str, Any] = field(default_factory=dict)
     postgres: bool = False
+    # Workers reach Redis through a proxy that can make it unreachable (tests/faultkit_proxy).
+    outage: bool = False
     concurrency: int = 8
 
 
@@ -108,6 +117,9 @@ def _specs() -> list[Spec]:
              {"per_dataset": 1000, "losses": 2}, {"per_dataset": 150, "losses": 1}),
         Spec("redis-blip", lambda s, p: sc.redis_blip(s, **p),
              {"per_dataset": 1000, "blips": 3}, {"per_dataset": 150, "blips": 2}),
+        Spec("redis-outage", lambda s, p: sc.redis_outage(s, **p),
+             {"per_dataset": 1000, "outages": 3, "down_s": 4.0},
+             {"per_dataset": 150, "outages": 1, "down_s": 4.0}, outage=True),
         Spec("postgres-restart", lambda s, p: sc.postgres_restart(s, **p),
              {"per_dataset": 1000, "restarts": 3, "down_s": 3.0},
              {"per_dataset": 150, "restarts": 1, "down_s": 3.0}, postgres=True),
@@ -124,21 +136,24 @@ def _specs() -> list[Spec]:
 def run_spec(spec: Spec, params: dict[str, Any]) -> Any:
     from tests.faultkit import PrivateRedis, Sim
     from tests.faultkit_pg import PrivatePostgres
+    from tests.faultkit_proxy import OutageProxy
     from tests.faultkit_stack import Stack
 
     with contextlib.ExitStack() as stack, tempfile.TemporaryDirectory(
             prefix=f"datagen-rel-{spec.key}-") as raw:
         tmp = Path(raw)
         redis_server = stack.enter_context(PrivateRedis())
+        outage = stack.enter_context(OutageProxy(redis_server.port)) if spec.outage else None
         pg = stack.enter_context(PrivatePostgres()) if spec.postgres else None
         sim = stack.enter_context(Sim(tmp / "sim.jsonl", **spec.sim))
         db = pg.url if pg else f"sqlite:///{tmp / 'datagen.db'}"
         settings = Settings(
-            redis_url=redis_server.url, database_url=db, sglang_urls=(sim.url,),
+            redis_url=outage.url if outage else redis_server.url, database_url=db,
+            sglang_urls=(sim.url,),
             request_timeout_s=30, max_attempts=3, retry_base_s=0.05, retry_max_s=0.2,
             concurrency=spec.concurrency, heartbeat_s=1.0, dead_after_s=5.0,
         ).replace(**spec.settings)
-        run_stack = Stack(settings, tmp, sim, redis=redis_server, pg=pg,
+        run_stack = Stack(settings, tmp, sim, redis=redis_server, pg=pg, outage=outage,
                           concurrency=spec.concurrency)
         return spec.run(run_stack, params)
 

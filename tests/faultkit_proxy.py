@@ -1,9 +1,13 @@
-"""A TCP proxy in front of a private redis-server that, when armed, resets every client
-connection about to carry a chosen command: a connection blip aimed at one call, so what a
-random ``CLIENT KILL`` does now and then happens every time.
+"""TCP proxies in front of a private redis-server, for faults a real Redis only shows now
+and then.
 
-``drop="request"`` resets before the command reaches Redis (it never runs);
-``drop="reply"`` forwards it and resets before the answer (it ran, the client cannot know).
+``ResetProxy``, when armed, resets every client connection about to carry a chosen
+command: a connection blip aimed at one call, so what a random ``CLIENT KILL`` does now and
+then happens every time. ``drop="request"`` resets before the command reaches Redis (it
+never runs); ``drop="reply"`` forwards it and resets before the answer (it ran, the client
+cannot know).
+
+``OutageProxy`` plays a network outage: Redis unreachable for a while, its data kept.
 """
 
 from __future__ import annotations
@@ -11,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import threading
+from typing import Self
 
 from ops.localredis import free_port
 
@@ -18,18 +23,17 @@ from ops.localredis import free_port
 REPLY_WAIT_S = 5.0
 
 
-class ResetProxy:
-    def __init__(self, target_port: int, marker: bytes, drop: str = "request") -> None:
+class _Proxy:
+    """A TCP proxy on a free port in front of 127.0.0.1:``target_port``, served by an event
+    loop of its own thread; subclasses handle each client connection (``_handle``)."""
+
+    def __init__(self, target_port: int) -> None:
         self.target_port = target_port
-        self.marker = marker
-        self.drop = drop
         self.port = free_port()
         self.url = f"redis://127.0.0.1:{self.port}/0"
-        self.armed = threading.Event()
-        self.resets = 0
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, daemon=True,
-                                        name="faultkit-proxy")
+                                        name=f"faultkit-{type(self).__name__}")
         self._server: asyncio.Server | None = None
 
     def start(self) -> str:
@@ -53,12 +57,24 @@ class ResetProxy:
             self._thread.join(10)
         self._loop.close()
 
-    def __enter__(self) -> ResetProxy:
+    def __enter__(self) -> Self:
         self.start()
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+    async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        raise NotImplementedError
+
+
+class ResetProxy(_Proxy):
+    def __init__(self, target_port: int, marker: bytes, drop: str = "request") -> None:
+        super().__init__(target_port)
+        self.marker = marker
+        self.drop = drop
+        self.armed = threading.Event()
+        self.resets = 0
 
     async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         up_reader, up_writer = await asyncio.open_connection("127.0.0.1", self.target_port)
@@ -113,3 +129,54 @@ class ResetProxy:
                 return
             writer.write(read.result())
             await writer.drain()
+
+
+class OutageProxy(_Proxy):
+    """Plays a network outage: ``down()`` resets every connection, and each new one at once
+    until ``up()``, while Redis itself keeps its data (a crash of a server without
+    persistence would lose it)."""
+
+    def __init__(self, target_port: int) -> None:
+        super().__init__(target_port)
+        self.refused = 0  # connections reset on arrival while down
+        self._down = threading.Event()
+        # Each open client connection, with its connection to Redis.
+        self._open: dict[asyncio.StreamWriter, asyncio.StreamWriter] = {}
+
+    def down(self) -> int:
+        """Cut every connection, and each new one until ``up()``; returns how many client
+        connections were cut."""
+        self._down.set()
+        return asyncio.run_coroutine_threadsafe(self._cut(), self._loop).result(10)
+
+    def up(self) -> None:
+        self._down.clear()
+
+    async def _cut(self) -> int:
+        pairs = list(self._open.items())
+        for client, upstream in pairs:
+            client.transport.abort()
+            upstream.transport.abort()
+        return len(pairs)
+
+    async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        if self._down.is_set():
+            self.refused += 1
+            writer.transport.abort()
+            return
+        up_reader, up_writer = await asyncio.open_connection("127.0.0.1", self.target_port)
+        self._open[writer] = up_writer
+        try:
+            await asyncio.gather(self._pipe(reader, up_writer), self._pipe(up_reader, writer),
+                                 return_exceptions=True)
+        finally:
+            self._open.pop(writer, None)
+            writer.transport.abort()
+            up_writer.transport.abort()
+
+    @staticmethod
+    async def _pipe(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        while data := await reader.read(65536):
+            writer.write(data)
+            await writer.drain()
+        writer.transport.abort()  # one side closed: so does the other

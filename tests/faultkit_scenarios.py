@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from common.audit import requeue_lost
@@ -73,6 +74,18 @@ def settle_or_stall(stack: Stack, workers: Workers, names: list[str], stall_s: f
     return last == 0
 
 
+def settle_or_sweep(stack: Stack, workers: Workers, names: list[str], grace_s: float) -> int:
+    """Settle; if no prompt settles for ``grace_s`` while some are queued, those were
+    stranded: count them, and recover them as the workers' sweep would after 5-10 minutes.
+    Returns how many were stranded."""
+    if settle_or_stall(stack, workers, names, grace_s):
+        return 0
+    stranded = queued_open(stack.store, names)
+    requeue_lost(stack.store, stack.ledger.redis, Publisher(make_celery(stack.settings)), 0)
+    settle_reviving(stack, workers, names)
+    return stranded
+
+
 def finish(stack: Stack, name: str, names: list[str], started: float, **kw: object) -> Outcome:
     entries = load_requests(log_file=stack.sim.log_file)
     check = check_run(stack.store, stack.ledger, names, entries=entries,
@@ -130,34 +143,55 @@ def _wait_closed(stack: Stack, name: str) -> None:
 
 def redis_blip(stack: Stack, per_dataset: int, blips: int = 1, grace_s: float = 20.0) -> Outcome:
     """Every Redis client connection is killed (CLIENT KILL TYPE normal) while tasks run.
-    If no prompt settles for ``grace_s`` while some are queued, those were stranded: they are
-    counted and recovered as the workers' sweep would."""
-    assert stack.redis is not None
+    Prompts stranded are counted and recovered (``settle_or_sweep``)."""
+    redis_server = stack.redis
+    assert redis_server is not None
+
+    def blip() -> str:
+        return f"CLIENT KILL TYPE normal: {redis_server.blip()} connections"
+
+    return _while_busy(stack, "Redis connection blip", ["bl_a", "bl_b"], per_dataset, blips,
+                       blip, grace_s)
+
+
+def redis_outage(stack: Stack, per_dataset: int, outages: int = 1, down_s: float = 4.0,
+                 grace_s: float = 20.0) -> Outcome:
+    """Redis unreachable for ``down_s`` (every connection cut and refused; its data kept)
+    while every worker slot has a request in flight, so tasks meet the outage in their
+    ledger calls, their acks and the retries they send. Prompts stranded are counted and
+    recovered (``settle_or_sweep``)."""
+    proxy = stack.outage
+    assert proxy is not None
+
+    def outage() -> str:
+        cut = proxy.down()
+        time.sleep(down_s)
+        proxy.up()
+        return f"Redis unreachable for {down_s:.0f} s: {cut} connections cut"
+
+    return _while_busy(stack, "Redis unreachable", ["ro_a", "ro_b"], per_dataset, outages,
+                       outage, grace_s)
+
+
+def _while_busy(stack: Stack, title: str, names: list[str], per_dataset: int, count: int,
+                fault: Callable[[], str], grace_s: float) -> Outcome:
+    """``count`` faults spread over a run, each once every worker slot has a request in
+    flight; ``fault`` injects one (returning once the service is back) and describes it."""
     started = time.monotonic()
-    names = ["bl_a", "bl_b"]
     enqueue(stack, write_manifest(stack, {n: (per_dataset, None) for n in names}))
     faults, recovery = [], []
     with start_workers(stack) as workers:
-        for i in range(blips):
-            if not _wait_turn(stack, names, i, blips, 2 * per_dataset):
+        for i in range(count):
+            if not _wait_turn(stack, names, i, count, len(names) * per_dataset):
                 break
             wait_busy(stack, names, stack.concurrency)
-            killed = stack.redis.blip()
-            at = now()
-            faults.append(f"CLIENT KILL TYPE normal: {killed} connections")
-            recovery.append(first_completion_after(stack, at))
-        stranded = 0
-        if not settle_or_stall(stack, workers, names, grace_s):
-            # What the workers' sweep does after 5-10 minutes, done now (see the xfail
-            # test_a_blip_during_a_ledger_call_strands_no_prompt_and_leaks_no_reservation).
-            stranded = queued_open(stack.store, names)
-            requeue_lost(stack.store, stack.ledger.redis, Publisher(make_celery(stack.settings)),
-                         0)
-            settle_reviving(stack, workers, names)
+            faults.append(fault())
+            recovery.append(first_completion_after(stack, now()))
+        stranded = settle_or_sweep(stack, workers, names, grace_s)
         quiesce(stack.ledger, names)
     notes = {"stranded_until_sweep": stranded, "worker_exits": workers.exits}
-    return finish(stack, "Redis connection blip", names, started, faults=faults,
-                   recovery_s=recovery, notes=notes)
+    return finish(stack, title, names, started, faults=faults, recovery_s=recovery,
+                  notes=notes)
 
 
 def postgres_restart(stack: Stack, per_dataset: int, restarts: int = 1, down_s: float = 3.0,

@@ -21,6 +21,7 @@ from producer.template import BUNDLED_TOKENIZER, ChatTemplater
 from tests.faultkit import PrivateRedis, Sim, run_cli, wait_for
 from tests.faultkit_checks import COMPLETED, Check, load_requests
 from tests.faultkit_pg import PrivatePostgres
+from tests.faultkit_proxy import OutageProxy
 from tests.helpers import write_dataset
 
 MAX_NEW_TOKENS = 256
@@ -35,6 +36,8 @@ class Stack:
     sim: Sim
     redis: PrivateRedis | None = None
     pg: PrivatePostgres | None = None
+    # In front of ``redis`` when the settings' Redis URL is its own: outages on demand.
+    outage: OutageProxy | None = None
     workers: int = 2
     concurrency: int = 8
 

@@ -12,6 +12,7 @@ that resets one Redis call, retries falling due while PostgreSQL is down).
 from __future__ import annotations
 
 import contextlib
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -19,7 +20,8 @@ import pytest
 import sqlalchemy as sa
 
 from common import ledger_scripts
-from common.ledger import Ledger
+from common.keys import KOMBU_UNACKED
+from common.ledger import Ledger, LedgerState
 from common.schema import prompts
 from common.store import Store
 from tests.conftest import make_settings
@@ -27,12 +29,20 @@ from tests.faultkit import PrivateRedis, PrivateTlsRedis, Sim, Workers, sim_faul
 from tests.faultkit_checks import settle
 from tests.faultkit_pg import PrivatePostgres
 from tests.faultkit_producer import producer_kill
-from tests.faultkit_proxy import ResetProxy
-from tests.faultkit_scenarios import postgres_restart, redis_blip, redis_loss, worker_kill
-from tests.faultkit_stack import Outcome, Stack, enqueue, write_manifest
+from tests.faultkit_proxy import OutageProxy, ResetProxy
+from tests.faultkit_scenarios import (
+    postgres_restart,
+    redis_blip,
+    redis_loss,
+    redis_outage,
+    worker_kill,
+)
+from tests.faultkit_stack import Outcome, Stack, enqueue, wait_busy, write_manifest
 from tests.helpers import enqueue_paths, running_worker, write_dataset
 
 RECOVERY_LIMIT_S = 60.0
+# Well under the sweep (SWEEP_EVERY_S) and the visibility timeout.
+OUTAGE_RECOVERY_S = 30.0
 PACED = {"decode_tok_per_s": 150, "mean_output_tokens": 80, "max_running_requests": 64}
 
 
@@ -131,6 +141,23 @@ def test_redis_connection_blip_costs_at_most_one_extra_request(
     assert max(out.recovery_s) < RECOVERY_LIMIT_S
 
 
+def test_a_redis_outage_strands_no_prompt(private_redis: PrivateRedis, tmp_path: Path) -> None:
+    """Redis unreachable for 4 s, its data kept, while every slot has a request in flight
+    (the ``redis-outage`` scenario of ``python -m ops.reliability``, small)."""
+    with OutageProxy(private_redis.port) as proxy, \
+            Sim(tmp_path / "sim.jsonl", **PACED) as sim:
+        settings = make_settings(f"sqlite:///{tmp_path / 'db.sqlite'}", sim.url,
+                                 redis_url=proxy.url, heartbeat_s=1.0, dead_after_s=5.0)
+        stack = Stack(settings, tmp_path, sim, redis=private_redis, outage=proxy)
+        out = redis_outage(stack, per_dataset=40, outages=1, down_s=4.0, grace_s=8.0)
+    out.check.assert_ok()
+    assert out.notes["stranded_until_sweep"] == 0
+    assert out.check.states == {"done": 80}
+    assert (out.check.lost, out.check.duplicated, out.check.drift) == (0, 0, 0)
+    assert not out.faults[0].endswith(": 0 connections cut")
+    assert max(out.recovery_s) < RECOVERY_LIMIT_S
+
+
 def test_a_blip_during_a_ledger_call_strands_no_prompt_and_leaks_no_reservation(
     private_redis: PrivateRedis, sqlite_url: str, sim: str, tmp_path: Path
 ) -> None:
@@ -212,3 +239,44 @@ def test_producer_killed_mid_enqueue_loses_and_doubles_nothing(
     out.check.assert_ok()
     assert out.check.states == {"done": 2000}
     assert out.check.requests_max == 1
+
+
+def test_tasks_whose_retry_cannot_be_sent_while_redis_is_away_are_not_delayed(
+    private_redis: PrivateRedis, tmp_path: Path
+) -> None:
+    """Redis unreachable (a network outage that keeps its data) while every request is in
+    flight: each task's charge fails, and so does sending its retry. Each sample must still
+    be generated again within seconds of Redis answering, not be left to the sweep
+    (minutes) or the visibility timeout (over ten minutes)."""
+    direct = private_redis.client()
+    ledger = Ledger(direct)
+    with OutageProxy(private_redis.port) as proxy, \
+            Sim(tmp_path / "sim.jsonl", decode_tok_per_s=0, latency_s=2.0) as sim:
+        settings = make_settings(f"sqlite:///{tmp_path / 'db.sqlite'}", sim.url,
+                                 redis_url=proxy.url, retry_base_s=0.5, retry_max_s=2.0,
+                                 heartbeat_s=1.0, dead_after_s=5.0)
+        stack = Stack(settings, tmp_path, sim, redis=private_redis, workers=1)
+        enqueue(stack, write_manifest(stack, {"away": (8, None)}))
+        with Workers(settings, tmp_path / "workers.log") as workers:
+            workers.start("w0", 8)
+            wait_busy(stack, ["away"], 8)
+            proxy.down()  # every request is answered while Redis is away
+            time.sleep(4.0)
+            proxy.up()
+            back = time.monotonic()
+            settled = settle(stack.store, ["away"], OUTAGE_RECOVERY_S)
+            waited = time.monotonic() - back
+            assert settled, (stack.store.prompt_counts("away"), workers.text()[-3000:])
+            # What the outage left behind is cleared by the running worker: a message put
+            # back beside its retry is settled as a duplicate, and a reservation whose
+            # release Redis did not take is freed by the reaper.
+            wait_for(lambda: not direct.hlen(KOMBU_UNACKED) and _idle(ledger.state("away")),
+                     OUTAGE_RECOVERY_S, "no message or reservation left")
+    assert "could not send the retry" in workers.text()  # the outage met the retries
+    assert stack.store.prompt_counts("away") == {"done": 8}
+    assert waited < OUTAGE_RECOVERY_S
+    assert ledger.state("away").samples == 8
+
+
+def _idle(state: LedgerState) -> bool:
+    return not (state.queued or state.inflight or state.reserved_tokens)

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import logging
 import random
+import time
+from typing import NoReturn
 
 import redis
 from celery import Celery, Task
@@ -15,7 +17,7 @@ from common.errors import PermanentError, ServerUnreachable, StoreMismatch, Tran
 from common.settings import Settings
 from workers.context import WorkerContext, get_context
 from workers.liveness import stop_this_worker
-from workers.pipeline import Outcome, run_sample
+from workers.pipeline import OUTAGE_WINDOW_S, Outcome, run_sample
 
 log = logging.getLogger(__name__)
 # How long a task waits for its dataset's in-flight requests when admission says "wait".
@@ -47,7 +49,7 @@ def register_tasks(app: Celery, settings: Settings) -> Task:
             delay = backoff_s(settings, UNREACHABLE_BACKOFF_STEP)
             log.warning("%s/%s: %s: %s; retry in %.1fs (not counted as an attempt)",
                         dataset, sample_id, type(exc).__name__, exc, delay)
-            raise self.retry(countdown=delay) from None
+            send_retry(self, delay)
 
     return generate
 
@@ -62,7 +64,7 @@ def _attempt(task: Task, ctx: WorkerContext, settings: Settings, dataset: str,
         delay = backoff_s(settings, UNREACHABLE_BACKOFF_STEP)
         log.warning("%s/%s: %s; retry in %.1fs (not counted as an attempt)",
                     dataset, sample_id, exc, delay)
-        raise task.retry(countdown=delay) from None
+        send_retry(task, delay)
     except TransientError as exc:
         attempts = ctx.store.record_attempt(dataset, sample_id, str(exc))
         if attempts >= settings.max_attempts:
@@ -70,13 +72,36 @@ def _attempt(task: Task, ctx: WorkerContext, settings: Settings, dataset: str,
         delay = backoff_s(settings, attempts, exc.delay_s)
         log.info("%s/%s attempt %d failed (%s); retry in %.1fs",
                  dataset, sample_id, attempts, exc, delay)
-        raise task.retry(countdown=delay) from None
+        send_retry(task, delay)
     except PermanentError as exc:
         ctx.store.record_attempt(dataset, sample_id, str(exc))
         return _fail(ctx, dataset, sample_id, str(exc))
     if outcome is Outcome.WAIT:
-        raise task.retry(countdown=ADMISSION_WAIT_S * random.uniform(1, 1.5))
+        send_retry(task, ADMISSION_WAIT_S * random.uniform(1, 1.5))
     return outcome.value
+
+
+def send_retry(task: Task, countdown: float, window_s: float = OUTAGE_WINDOW_S) -> NoReturn:
+    """``task.retry(countdown=...)``, sent again and again while Redis does not take it.
+
+    Celery turns a retry it cannot send into a reject without requeue. With Redis still
+    away, that reject fails too and the message waits in the unacked hash for the
+    visibility timeout (41 minutes by default); with Redis back, the message is dropped and
+    its prompt stays queued in SQL with no message until the workers' sweep. A task that
+    met a Redis outage is the one most likely to meet it again here, so it waits the outage
+    out (up to ``window_s``) holding its message, and sends its retry once Redis answers.
+    """
+    deadline, pause = time.monotonic() + window_s, 0.5
+    while True:
+        try:
+            raise task.retry(countdown=countdown) from None  # sent: Celery acks the message
+        except Reject as exc:
+            if time.monotonic() > deadline:
+                raise
+            log.warning("could not send the retry of %s (%s); trying again in %.1fs",
+                        task.request.id, exc.reason, pause)
+            time.sleep(pause)
+            pause = min(pause * 2, 15.0)
 
 
 def _fail(ctx: WorkerContext, dataset: str, sample_id: str, error: str) -> str:
