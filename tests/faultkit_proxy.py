@@ -152,6 +152,13 @@ class OutageProxy(_Proxy):
     def up(self) -> None:
         self._down.clear()
 
+    def stop(self) -> None:
+        # Connections ended first, so their handlers return rather than being cancelled
+        # mid-read (asyncio logs a cancelled connection handler as an error).
+        if self._thread.is_alive():
+            self.down()
+        super().stop()
+
     async def _cut(self) -> int:
         pairs = list(self._open.items())
         for client, upstream in pairs:
