@@ -8,6 +8,8 @@ from pathlib import Path
 import pytest
 import redis
 import requests
+from celery.exceptions import Reject
+from kombu.exceptions import OperationalError
 
 from common import broker
 from common.celery_app import make_celery
@@ -17,6 +19,7 @@ from common.publish import Publisher
 from common.settings import Settings
 from common.sglang_client import parse_completion
 from common.store import Store
+from ops.localredis import free_port
 from tests.conftest import make_settings
 from tests.helpers import (
     assert_invariants,
@@ -26,6 +29,7 @@ from tests.helpers import (
     write_dataset,
 )
 from workers.context import get_context
+from workers.tasks import register_tasks, send_retry
 
 
 def sim_log(sim: str) -> list[dict]:
@@ -187,3 +191,27 @@ def test_prompts_redis_lost_are_found_and_enqueued_again(
         wait_settled(store, ["lost"])
     assert_invariants(store, ledger, ["lost"])
     assert store.prompt_counts("lost") == {"done": 8}
+
+
+def test_a_retry_redis_never_takes_is_given_up_after_its_window(
+    sqlite_url: str, sim: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A task holds its message while its retry cannot be sent, but only for its window:
+    then Celery's reject goes on, so a Redis that never comes back cannot hold a worker's
+    slots for good."""
+    settings = make_settings(sqlite_url, sim, redis_url=f"redis://127.0.0.1:{free_port()}/0")
+    task = register_tasks(make_celery(settings), settings)
+    task.push_request(called_directly=False, id="away-1", args=["away", "s1"], kwargs={},
+                      retries=0, delivery_info={"exchange": "", "routing_key": "datagen.q.away"})
+    started = time.monotonic()
+    try:
+        with caplog.at_level("WARNING", logger="workers.tasks"), \
+                pytest.raises(Reject) as rejected:
+            send_retry(task, countdown=1.0, window_s=1.0)
+    finally:
+        task.pop_request()
+    assert rejected.value.requeue is False
+    assert isinstance(rejected.value.reason, OperationalError)
+    # It tried again until its window ran out, then let the reject through.
+    assert "could not send the retry of away-1" in caplog.text
+    assert time.monotonic() - started >= 1.0
