@@ -138,7 +138,6 @@ class OutageProxy(_Proxy):
 
     def __init__(self, target_port: int) -> None:
         super().__init__(target_port)
-        self.refused = 0  # connections reset on arrival while down
         self._down = threading.Event()
         # Each open client connection, with its connection to Redis.
         self._open: dict[asyncio.StreamWriter, asyncio.StreamWriter] = {}
@@ -168,7 +167,6 @@ class OutageProxy(_Proxy):
 
     async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         if self._down.is_set():
-            self.refused += 1
             writer.transport.abort()
             return
         up_reader, up_writer = await asyncio.open_connection("127.0.0.1", self.target_port)

@@ -205,7 +205,7 @@ def test_a_retry_redis_never_takes_is_given_up_after_its_window(
                       retries=0, delivery_info={"exchange": "", "routing_key": "datagen.q.away"})
     started = time.monotonic()
     try:
-        with caplog.at_level("WARNING", logger="workers.tasks"), \
+        with caplog.at_level("WARNING", logger="workers.pipeline"), \
                 pytest.raises(Reject) as rejected:
             send_retry(task, countdown=1.0, window_s=1.0)
     finally:

@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from enum import StrEnum
-from typing import Any
+from typing import Any, TypeVar
 
 import redis
 from sqlalchemy.exc import InterfaceError, OperationalError
@@ -27,6 +28,7 @@ from workers.steps import DEFAULT_EXPECTED_TOKENS
 
 log = logging.getLogger(__name__)
 OUTAGE_WINDOW_S = 600.0
+T = TypeVar("T")
 
 
 class Outcome(StrEnum):
@@ -149,10 +151,12 @@ def _aborted(
                          server=completion.server)
 
 
-def wait_out_outage(fn: Any, window_s: float = OUTAGE_WINDOW_S,
-                    retry_on: tuple[type[Exception], ...] = (OperationalError,)) -> Any:
+def wait_out_outage(fn: Callable[[], T], window_s: float = OUTAGE_WINDOW_S,
+                    retry_on: tuple[type[Exception], ...] = (OperationalError,),
+                    failing: str | None = None) -> T:
     """Call ``fn`` until it gets past a database restart (or the other outages ``retry_on``
-    names), for up to ``window_s``, rather than lose a generated sample."""
+    names), for up to ``window_s``, rather than lose a generated sample. ``failing`` says
+    in the log what did not go through (by default: Redis, or the database, unavailable)."""
     deadline, delay = time.monotonic() + window_s, 0.5
     while True:
         try:
@@ -160,8 +164,11 @@ def wait_out_outage(fn: Any, window_s: float = OUTAGE_WINDOW_S,
         except retry_on as exc:
             if time.monotonic() > deadline:
                 raise
-            log.warning("%s unavailable (%s); retrying in %.1fs",
-                        "Redis" if isinstance(exc, redis.RedisError) else "database",
-                        getattr(exc, "orig", exc), delay)
+            what = failing or ("Redis unavailable" if isinstance(exc, redis.RedisError)
+                               else "database unavailable")
+            # SQLAlchemy's errors carry the driver's as .orig, Celery's Reject its cause
+            # as .reason.
+            cause = getattr(exc, "orig", None) or getattr(exc, "reason", None) or exc
+            log.warning("%s (%s); retrying in %.1fs", what, cause, delay)
             time.sleep(delay)
             delay = min(delay * 2, 15.0)

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import logging
 import random
-import time
 from typing import NoReturn
 
 import redis
@@ -17,7 +16,7 @@ from common.errors import PermanentError, ServerUnreachable, StoreMismatch, Tran
 from common.settings import Settings
 from workers.context import WorkerContext, get_context
 from workers.liveness import stop_this_worker
-from workers.pipeline import OUTAGE_WINDOW_S, Outcome, run_sample
+from workers.pipeline import OUTAGE_WINDOW_S, Outcome, run_sample, wait_out_outage
 
 log = logging.getLogger(__name__)
 # How long a task waits for its dataset's in-flight requests when admission says "wait".
@@ -91,17 +90,11 @@ def send_retry(task: Task, countdown: float, window_s: float = OUTAGE_WINDOW_S) 
     met a Redis outage is the one most likely to meet it again here, so it waits the outage
     out (up to ``window_s``) holding its message, and sends its retry once Redis answers.
     """
-    deadline, pause = time.monotonic() + window_s, 0.5
-    while True:
-        try:
-            raise task.retry(countdown=countdown) from None  # sent: Celery acks the message
-        except Reject as exc:
-            if time.monotonic() > deadline:
-                raise
-            log.warning("could not send the retry of %s (%s); trying again in %.1fs",
-                        task.request.id, exc.reason, pause)
-            time.sleep(pause)
-            pause = min(pause * 2, 15.0)
+    def send() -> NoReturn:
+        raise task.retry(countdown=countdown) from None  # sent: Celery acks the message
+
+    wait_out_outage(send, window_s, retry_on=(Reject,),
+                    failing=f"could not send the retry of {task.request.id}")
 
 
 def _fail(ctx: WorkerContext, dataset: str, sample_id: str, error: str) -> str:
