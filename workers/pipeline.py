@@ -153,10 +153,11 @@ def _aborted(
 
 def wait_out_outage(fn: Callable[[], T], window_s: float = OUTAGE_WINDOW_S,
                     retry_on: tuple[type[Exception], ...] = (OperationalError,),
-                    failing: str | None = None) -> T:
+                    failing: Callable[[], str] | None = None) -> T:
     """Call ``fn`` until it gets past a database restart (or the other outages ``retry_on``
     names), for up to ``window_s``, rather than lose a generated sample. ``failing`` says
-    in the log what did not go through (by default: Redis, or the database, unavailable)."""
+    in the log what did not go through (by default: Redis, or the database, unavailable);
+    it is called only if something failed."""
     deadline, delay = time.monotonic() + window_s, 0.5
     while True:
         try:
@@ -164,8 +165,9 @@ def wait_out_outage(fn: Callable[[], T], window_s: float = OUTAGE_WINDOW_S,
         except retry_on as exc:
             if time.monotonic() > deadline:
                 raise
-            what = failing or ("Redis unavailable" if isinstance(exc, redis.RedisError)
-                               else "database unavailable")
+            what = failing() if failing else (
+                "Redis unavailable" if isinstance(exc, redis.RedisError)
+                else "database unavailable")
             # SQLAlchemy's errors carry the driver's as .orig, Celery's Reject its cause
             # as .reason.
             cause = getattr(exc, "orig", None) or getattr(exc, "reason", None) or exc

@@ -94,7 +94,7 @@ def send_retry(task: Task, countdown: float, window_s: float = OUTAGE_WINDOW_S) 
         raise task.retry(countdown=countdown) from None  # sent: Celery acks the message
 
     wait_out_outage(send, window_s, retry_on=(Reject,),
-                    failing=f"could not send the retry of {task.request.id}")
+                    failing=lambda: f"could not send the retry of {task.request.id}")
 
 
 def _fail(ctx: WorkerContext, dataset: str, sample_id: str, error: str) -> str:
