@@ -8,10 +8,12 @@ from __future__ import annotations
 
 import logging
 import os
+import warnings
 from typing import Any
 
 import redis
 from celery import Celery, signals
+from celery.exceptions import CPendingDeprecationWarning
 
 from common.celery_app import make_celery
 from common.errors import StoreMismatch
@@ -62,6 +64,15 @@ def liveness_id(consumer: Any) -> str:
     return f"{consumer.hostname}/{os.getpid()}"
 
 
+def _quiet_cancel_advice() -> None:
+    """Celery advises ``worker_cancel_long_running_tasks_on_connection_loss`` at every
+    connection loss while it is off; it is off on purpose (common/celery_app.py). Set once
+    the worker is ready: Celery's log set-up, which comes later than worker_init, turns its
+    own warnings back on."""
+    warnings.filterwarnings("ignore", message=r"\s*In Celery 5\.1 we introduced",
+                            category=CPendingDeprecationWarning)
+
+
 def _redis(app: Celery) -> redis.Redis:
     return get_context(app).ledger.redis
 
@@ -85,6 +96,7 @@ def _prepare_on_start(sender: Any = None, **_: Any) -> None:
 @signals.worker_ready.connect
 def _start_heartbeat(sender: Any = None, **_: Any) -> None:
     if _ours(getattr(sender, "app", None)):
+        _quiet_cancel_advice()
         conf = sender.app.datagen_settings
         beat = Heartbeat(sender.app, _redis(sender.app), liveness_id(sender),
                          sender.app.datagen_received, conf.heartbeat_s, conf.dead_after_s)
