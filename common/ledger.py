@@ -90,7 +90,7 @@ class Ledger:
 
     def __init__(self, client: redis.Redis) -> None:
         self.redis = client
-        self._recharge = client.register_script(lua.RECHARGE)
+        self._recharge = client.register_script(lua.RECHARGE_IF_PAIRED)
         self._admit_many = client.register_script(lua.ADMIT_MANY)
         self._charge_many = client.register_script(lua.CHARGE_MANY)
         self._release = client.register_script(lua.RELEASE)
@@ -194,8 +194,12 @@ class Ledger:
             args.append(arg)
         return list(script(keys=keys, args=args))
 
-    def recharge(self, name: str, sample_id: str, cost: int) -> int:
-        return int(self._recharge(keys=dataset_keys(name).script_keys, args=[sample_id, cost]))
+    def recharge(self, name: str, sample_id: str, cost: int, store_id: str = "") -> int:
+        """Price a charged sample anew; returns the dataset's tokens used. With
+        ``store_id``, as ``charge_many``: a Redis paired with another database is left
+        alone (that run may have a sample of the same name)."""
+        [used] = self._paired_batch(self._recharge, [(name, (sample_id, cost))], store_id)
+        return int(used)
 
     def close(self, name: str, reason: str) -> CloseResult:
         closed_now, purged = self._close(keys=dataset_keys(name).script_keys,

@@ -251,6 +251,7 @@ def batched_if_paired(script: str) -> str:
 
 ADMIT_MANY = batched_if_paired(ADMIT)
 CHARGE_MANY = batched_if_paired(CHARGE)
+RECHARGE_IF_PAIRED = batched_if_paired(RECHARGE)
 
 
 # Pops up to ARGV[2] messages (readable or not) from the queue lists in KEYS[4..] (a pass

@@ -4,7 +4,9 @@ a Redis that lost everything is paired again, and state from before pairing is k
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
+from typing import TypeVar
 
 import pytest
 import redis
@@ -23,6 +25,8 @@ from tests.faultkit import Workers, wait_for
 from tests.helpers import context_for, enqueue_paths, wait_settled, write_dataset
 from tests.test_faults_input import cli
 from workers.pipeline import run_sample
+
+T = TypeVar("T")
 
 
 def test_a_database_keeps_one_id_and_another_database_has_another(
@@ -218,6 +222,29 @@ def test_a_charge_refuses_a_redis_paired_with_another_database_and_charges_nothi
     assert ledger.charge_many([], store.store_id) == []
 
 
+def test_a_recharge_refuses_a_redis_paired_with_another_database_and_changes_nothing(
+    sqlite_url: str, redis_client: redis.Redis
+) -> None:
+    store, ledger = _paired_alpha(sqlite_url, redis_client)
+    assert ledger.admit("alpha", "r1", 100, 50, store.store_id) is Admission.ADMITTED
+    ledger.charge("alpha", "s1", "r1", 10, 20, store.store_id)
+    assert ledger.recharge("alpha", "s1", 25, store.store_id) == 25
+    redis_client.set(STORE_ID, "0" * 32)  # emptied and taken by another run meanwhile
+    before = ledger.state("alpha")
+    with pytest.raises(StoreMismatch, match=r"another results database \(store 000000000000\)"):
+        ledger.recharge("alpha", "s1", 40, store.store_id)
+    assert ledger.state("alpha") == before
+
+
+def _taken_after(call: Callable[..., T], client: redis.Redis) -> Callable[..., T]:
+    """``call``, after which the Redis is emptied and taken by another run (its pairing)."""
+    def taken_meanwhile(*args: object, **kwargs: object) -> T:
+        out = call(*args, **kwargs)
+        client.set(STORE_ID, "0" * 32)
+        return out
+    return taken_meanwhile
+
+
 def test_a_request_sent_before_another_run_took_the_redis_is_not_charged_there(
     settings: Settings, redis_client: redis.Redis, tmp_path: Path,
     monkeypatch: pytest.MonkeyPatch
@@ -225,19 +252,43 @@ def test_a_request_sent_before_another_run_took_the_redis_is_not_charged_there(
     """The Redis changes hands while the sample's request is at the server: its tokens go
     into no ledger, and the sample stays queued in this run's database for a later run."""
     ctx = context_for(settings, tmp_path, "alpha", 1)
-    real = ctx.client.generate
-
-    def taken_meanwhile(*args: object, **kwargs: object) -> object:
-        completion = real(*args, **kwargs)  # type: ignore[arg-type]
-        redis_client.set(STORE_ID, "0" * 32)
-        return completion
-
-    monkeypatch.setattr(ctx.client, "generate", taken_meanwhile)
+    monkeypatch.setattr(ctx.client, "generate", _taken_after(ctx.client.generate, redis_client))
     with pytest.raises(StoreMismatch):
         run_sample(ctx, "alpha", ctx.store.sample_ids("alpha", "queued")[0])
     state = ctx.ledger.state("alpha")
     assert (state.used_tokens, state.samples, state.inflight) == (0, 0, 0)
     assert ctx.store.prompt_counts("alpha") == {"queued": 1}
+
+
+def test_a_sample_charged_before_its_store_was_lost_is_priced_by_what_is_kept(
+    settings: Settings, tmp_path: Path
+) -> None:
+    """A worker charged the sample, then died before its result was stored: the next
+    attempt finds the charge made, stores its own result and prices the sample by it."""
+    ctx = context_for(settings, tmp_path, "alpha", 1)
+    sample_id = ctx.store.sample_ids("alpha", "queued")[0]
+    ctx.ledger.charge("alpha", sample_id, "lost-rid", 0, 9_999, ctx.store.store_id)
+    assert run_sample(ctx, "alpha", sample_id).value == "done"
+    budget = ctx.store.dataset("alpha").budget
+    state = ctx.ledger.state("alpha")
+    assert 0 < state.used_tokens == ctx.store.used_tokens("alpha", budget) != 9_999
+    assert (state.samples, state.inflight) == (1, 0)
+
+
+def test_a_sample_is_not_priced_again_in_a_redis_another_run_took_meanwhile(
+    settings: Settings, redis_client: redis.Redis, tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """As above, but the Redis changes hands between the charge and the pricing: that
+    run's ledger, which may hold a sample of the same name, is left as it is."""
+    ctx = context_for(settings, tmp_path, "alpha", 1)
+    sample_id = ctx.store.sample_ids("alpha", "queued")[0]
+    ctx.ledger.charge("alpha", sample_id, "lost-rid", 0, 9_999, ctx.store.store_id)
+    monkeypatch.setattr(ctx.ledger, "charge_many",
+                        _taken_after(ctx.ledger.charge_many, redis_client))
+    with pytest.raises(StoreMismatch):
+        run_sample(ctx, "alpha", sample_id)
+    assert ctx.ledger.state("alpha").used_tokens == 9_999
 
 
 def test_a_worker_whose_redis_another_run_took_puts_its_messages_back_and_stops(
