@@ -261,17 +261,25 @@ RECHARGE_IF_PAIRED = batched_if_paired(RECHARGE)
 # never out of its list without its record. A message it cannot read (no JSON, no
 # delivery tag) would stop its queue for good if it went back, and no worker could run
 # it: it moves to the list KEYS[3]. Returns {{list, message, list, message, ...}, number
-# of messages moved aside}.
+# of messages moved aside}. A list found empty is not looked at again in the same call
+# (nothing else runs meanwhile): a worker consumes every dataset's queue, finished ones
+# included, and a batch from one busy queue would otherwise cost a pass over them all
+# for each of its messages.
 POP_RECORDED = """
 local want, out, n, unreadable = tonumber(ARGV[2]), {}, 0, 0
-local found = true
-while n + unreadable < want and found do
-  found = false
-  for i = 4, #KEYS do
+-- The lists that gave a message in the last pass: live[1..m].
+local live, m = {}, 0
+-- One pass over lists[from..to]: a message from each, while the batch has room. Writes
+-- into live in place (it may be the lists read: a list is kept at or before its index).
+local function pass(lists, from, to)
+  local kept = 0
+  for j = from, to do
     if n + unreadable >= want then break end
-    local raw = redis.call('RPOP', KEYS[i])
+    local list = lists[j]
+    local raw = redis.call('RPOP', list)
     if raw then
-      found = true
+      kept = kept + 1
+      live[kept] = list
       local ok, tag, exchange, key = pcall(function()
         local props = cjson.decode(raw)['properties']
         local info = props['delivery_info']
@@ -282,7 +290,7 @@ while n + unreadable < want and found do
         redis.call('ZADD', KEYS[1], ARGV[1], tag)
         redis.call('HSET', KEYS[2], tag, '[' .. raw .. ',' .. exchange .. ',' .. key .. ']')
         n = n + 1
-        out[#out + 1] = KEYS[i]
+        out[#out + 1] = list
         out[#out + 1] = raw
       else
         redis.call('LPUSH', KEYS[3], raw)
@@ -290,6 +298,9 @@ while n + unreadable < want and found do
       end
     end
   end
+  m = kept
 end
+pass(KEYS, 4, #KEYS)
+while n + unreadable < want and m > 0 do pass(live, 1, m) end
 return {out, unreadable}
 """

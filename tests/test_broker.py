@@ -350,3 +350,33 @@ def test_the_pop_moves_aside_what_it_cannot_read_and_goes_on(redis_client: redis
     assert pop(keys=[index, unacked, aside, key], args=[1.0, 3]) == [[], 3]
     assert redis_client.llen(key) == 2
     redis_client.delete(key, index, unacked, aside)
+
+
+def test_the_pop_takes_one_from_each_busy_list_a_pass_past_empty_ones(
+    redis_client: redis.Redis
+) -> None:
+    """Lists found empty are skipped for the rest of the call (a worker consumes every
+    finished dataset's queue too): what it takes, and in which order, is as before."""
+    pop = redis_client.register_script(POP_RECORDED)
+    index, unacked, aside = "broker-test-index", "broker-test-unacked", "broker-test-aside"
+    lists = [f"broker-pass-{i}" for i in range(6)]
+    redis_client.delete(index, unacked, aside, *lists)
+
+    def message(key: str, n: int) -> str:
+        return json.dumps({"properties": {"delivery_tag": f"{key}/{n}", "delivery_info": {
+            "exchange": "", "routing_key": key}}})
+
+    # Lists 1 and 4 hold 3 messages and 1, the others none; RPOP takes the oldest first.
+    redis_client.lpush(lists[1], *[message(lists[1], n) for n in range(3)])
+    redis_client.lpush(lists[4], message(lists[4], 0))
+    popped, unreadable = pop(keys=[index, unacked, aside, *lists], args=[1.0, 16])
+    tags = [json.loads(raw)["properties"]["delivery_tag"] for raw in popped[1::2]]
+    assert unreadable == 0
+    assert tags == [f"{lists[1]}/0", f"{lists[4]}/0", f"{lists[1]}/1", f"{lists[1]}/2"]
+    assert [k.decode() for k in popped[::2]] == [lists[1], lists[4], lists[1], lists[1]]
+    assert redis_client.hlen(unacked) == 4 and redis_client.zcard(index) == 4
+    # A list that fills again is looked at by the next call.
+    redis_client.lpush(lists[0], message(lists[0], 0))
+    assert pop(keys=[index, unacked, aside, *lists], args=[1.0, 16])[0][::2] == [
+        lists[0].encode()]
+    redis_client.delete(index, unacked, aside, *lists)
