@@ -29,6 +29,7 @@ from ops.bench.harness import (
     main_thread,
     wait_until,
 )
+from ops.bench.overhead import round_order
 from ops.bench.report import RESULT_PREFIX
 from ops.bench.runs import watch
 from ops.bench.summary import headline
@@ -241,6 +242,15 @@ def test_the_fleet_projection_counts_costs_at_a_paced_rate(tmp_path: Path,
     # An idle worker still polls for work: its commands and CPU are measured, not assumed.
     assert counted["idle_redis_per_s"] > 0, counted
     assert paced["idle_worker_core_pct"] > 0, paced
+
+
+def test_the_overhead_legs_take_turns_in_each_place_of_a_round() -> None:
+    kinds = ["sqlite", "postgresql", "sqlite@baseline", "bare", "bare-sglang"]
+    orders = [round_order(kinds, i) for i in range(4)]
+    assert orders[0] == orders[2] == kinds and orders[1] == orders[3] == kinds[::-1]
+    # Over two rounds every leg is as often early as late: its places add up the same.
+    places = {k: sum(order.index(k) for order in orders[:2]) for k in kinds}
+    assert set(places.values()) == {len(kinds) - 1}
 
 
 def test_the_pop_benchmark_measures_each_case_beside_a_baseline(tmp_path: Path,

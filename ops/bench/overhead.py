@@ -2,7 +2,8 @@
 
 An instant simulator (``--decode-tok-per-s 0 --mean-output-tokens 16``) makes the worker
 the bottleneck. Legs alternate in one run: full pipeline on SQLite, on PostgreSQL, then
-the bare task (same options, same messages, same HTTP call). Targets: pipeline / bare
+the bare task (same options, same messages, same HTTP call), in reverse every other
+round. Targets: pipeline / bare
 ≥ 0.8 and ≥ 400 completions/s. ``--profile`` adds a leg under py-spy (first database of
 ``--dbs``), and one of the bare task with the same client when ``--bare-sglang`` is given,
 so their per-task CPU can be compared step by step.
@@ -244,6 +245,14 @@ def show_profile(prof: dict[str, Any], label: str) -> dict[str, Any]:
     return out
 
 
+def round_order(kinds: list[str], i: int) -> list[str]:
+    """The legs of round ``i``: every other round in reverse, so that no leg always has the
+    same place in a round. With the same code as current and as baseline, the current
+    SQLite leg, always first, read a tenth faster than its copy, always third
+    (docs/PERFORMANCE_EXPERIMENTS.md, sixteenth round)."""
+    return list(kinds) if i % 2 == 0 else kinds[::-1]
+
+
 def run(args: argparse.Namespace) -> dict[str, Any]:
     dbs = [k for k in args.dbs.split(",") if k]
     kinds = dbs + ([d + BASELINE_SUFFIX for d in dbs] if args.baseline else []) + ["bare"] \
@@ -255,8 +264,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     with Processes() as procs:
         proc_sim = start_sim(procs, slots=256, decode=0, mean_output=16)
         sim = (proc_sim[0], proc_sim[1].pid)
-        for _ in range(args.rounds):
-            for kind in kinds:
+        for i in range(args.rounds):
+            for kind in round_order(kinds, i):
                 legs[kind].append(one_leg(procs, sim, args, kind))
         if args.profile:
             prof = {"profile": profile_leg(procs, sim, args, dbs[0] if dbs else "sqlite")}
