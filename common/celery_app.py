@@ -56,7 +56,7 @@ def celery_config(settings: Settings) -> dict[str, Any]:
         "worker_hijack_root_logger": False,
         # The workers' threads pool cannot cancel a running task: at a connection loss
         # Celery would only log a traceback per task in flight. Those tasks finish, and the
-        # copies Redis puts back are settled as duplicates (docs/ARCHITECTURE.md).
+        # copies Redis puts back find their samples settled (docs/ARCHITECTURE.md).
         "worker_cancel_long_running_tasks_on_connection_loss": False,
         "broker_pool_limit": max(10, settings.concurrency + 4),
     }

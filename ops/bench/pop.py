@@ -5,7 +5,8 @@ every queue it consumes, and it consumes every known dataset's queue, finished o
 included. Here one queue of many holds messages and the others are empty, as in a long
 run where most datasets are done; the script is called until the queue is empty with a
 batch room of 16 (a worker at full rate), 4, and 1 (a freed slot at a real server's
-pace). Redis's own count (``INFO commandstats``, usec of EVALSHA) over the messages taken.
+pace). Redis's own count (``INFO commandstats``, usec of EVALSHA) over the messages taken;
+that count is the whole server's, so nothing else should run scripts on it meanwhile.
 
     python -m ops.bench.pop [--quick] [--baseline DIR]
 
@@ -29,7 +30,6 @@ from ops.bench.report import Summary, emit, table
 
 ROOMS = (16, 4, 1)
 QUEUES = (1, 11, 50, 200)
-# The busy queue sits in the middle of the key list: kombu's cycle moves it around.
 BODY = "x" * 300
 
 
@@ -58,6 +58,7 @@ def baseline_script(tree: Path) -> str:
 def usec_per_message(client: redis.Redis, script: Any, queues: int, room: int,
                      messages: int) -> float:
     client.flushdb()
+    # In the middle of the key list: kombu's cycle moves a busy queue around.
     busy = f"q{queues // 2}"
     payloads = [json.dumps({"body": BODY, "properties": {
         "delivery_tag": f"t{i}", "delivery_info": {"exchange": "", "routing_key": busy}}})
