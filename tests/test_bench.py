@@ -29,6 +29,7 @@ from ops.bench.harness import (
     main_thread,
     wait_until,
 )
+from ops.bench.memory import growth_per_10k
 from ops.bench.overhead import round_order
 from ops.bench.report import RESULT_PREFIX
 from ops.bench.runs import watch
@@ -301,3 +302,39 @@ def test_the_overhead_legs_run_on_as_many_worker_processes_as_asked(
         assert results[kind]["worker_processes"] == 2, kind
         assert results[kind]["rate"]["median"] > 0, kind
     assert "2 worker process(es) at c=8" in done.stdout
+
+
+def test_the_long_memory_run_settles_each_part_as_new_prompts(tmp_path: Path,
+                                                              redis_client: redis.Redis) -> None:
+    """``ops.bench.memory``'s long run, cut short: every part is a new set of prompts, all
+    settled by the one worker before its RSS is read, so the run's results table ends with
+    every sample of every part, once."""
+    env = {**os.environ, "DATAGEN_BENCH_REDIS_URL": REDIS_URL, "DATAGEN_BENCH_DIR": str(tmp_path)}
+    done = subprocess.run(
+        [sys.executable, "-m", "ops.bench.memory", "--quick", "--concurrency", "64",
+         "--samples", "200", "--queued", "200", "--long", "600", "--long-parts", "3"],
+        env=env, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    result = next(json.loads(line.split(" ", 1)[1]) for line in done.stdout.splitlines()
+                  if line.startswith("bench-result "))
+    long = result["long_run"]
+    assert [p["samples"] for p in long["points"]] == [0, 200, 400, 600], long
+    assert all(p["rss"] > 0 for p in long["points"]), long
+    assert long["end"] == long["points"][-1]["rss"]
+    engine = sa.create_engine(f"sqlite:///{tmp_path / 'memory-long.db'}")
+    with engine.connect() as conn:
+        rows, distinct = conn.execute(sa.text(
+            "SELECT COUNT(*), COUNT(DISTINCT dataset || '/' || sample_id) FROM results")).one()
+        queued = conn.execute(sa.text(
+            "SELECT COUNT(*) FROM prompts WHERE state != 'done'")).scalar()
+    engine.dispose()
+    assert (rows, distinct, queued) == (600, 600, 0)
+
+
+def test_the_long_runs_growth_is_read_over_its_second_half() -> None:
+    points = [{"samples": 20_000.0 * k, "rss": rss} for k, rss in
+              enumerate([80.0, 130.0, 150.0, 160.0, 165.0, 170.0])]
+    # From 60,000 samples (the first point past halfway) to 100,000: 10 MB over 40,000.
+    assert growth_per_10k(points) == pytest.approx(2.5)
+    assert growth_per_10k(points[:3]) == pytest.approx(10.0)  # from 20,000 to 40,000
+    assert growth_per_10k(points[:2]) == 0.0  # one part: no second half to read

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 import sqlalchemy as sa
@@ -73,3 +74,18 @@ def test_without_the_check_the_same_connection_fails_its_next_statement(
     terminate(closed)
     with pytest.raises(sa_exc.OperationalError):
         backend_pid(unchecked)
+
+
+def test_sqlite_hands_out_the_connection_returned_last(tmp_path: Path) -> None:
+    """Each SQLite connection keeps its own statements and page cache: the pool reuses the
+    warm one rather than taking its connections in turn."""
+    engine = make_engine(f"sqlite:///{tmp_path / 'lifo.db'}")
+    try:
+        first, second = engine.connect(), engine.connect()
+        drivers = [c.connection.driver_connection for c in (first, second)]
+        first.close()
+        second.close()
+        with engine.connect() as again:
+            assert again.connection.driver_connection is drivers[1]
+    finally:
+        engine.dispose()

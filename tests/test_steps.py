@@ -5,6 +5,7 @@ charge and stores the row once the database is back; one bad row fails only its 
 
 from __future__ import annotations
 
+import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -19,7 +20,7 @@ from common.settings import Settings
 from common.store import Store
 from tests.helpers import assert_invariants, context_for, enqueue_paths, write_dataset
 from workers import steps
-from workers.context import WorkerContext
+from workers.context import DATASET_CACHE_S, WorkerContext
 from workers.pipeline import Outcome, run_sample
 
 
@@ -188,3 +189,29 @@ def test_an_outage_at_the_crossing_still_records_the_close(
     assert store.dataset("cross").state == "closed"
     assert store.dataset("cross").close_reason == "budget"
     assert run_sample(ctx, "cross", "cross-1") is Outcome.CLOSED
+
+
+def test_expired_terms_are_read_again_by_one_task_while_the_others_go_on(
+        settings: Settings, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """At full rate many tasks find a dataset's cached terms expired at once: one reads
+    them again, the others go on with the terms they have; a first read is waited for."""
+    ctx = context_for(settings, tmp_path, "terms", 1)
+    reads: list[Any] = []
+
+    def slow_read(name: str) -> Any:
+        time.sleep(0.3)  # long enough for every thread below to arrive meanwhile
+        reads.append(Store.dataset(ctx.store, name))
+        return reads[-1]
+
+    monkeypatch.setattr(ctx.store, "dataset", slow_read)
+    with ThreadPoolExecutor(8) as pool:
+        first = list(pool.map(lambda _: ctx.dataset("terms"), range(8)))
+    assert len(reads) == 1 and all(row is reads[0] for row in first)
+
+    ctx._datasets["terms"] = (time.monotonic() - DATASET_CACHE_S - 1, reads[0])
+    with ThreadPoolExecutor(8) as pool:
+        later = list(pool.map(lambda _: ctx.dataset("terms"), range(8)))
+    assert len(reads) == 2
+    assert sum(row is reads[1] for row in later) == 1  # the one that read them again
+    assert sum(row is reads[0] for row in later) == 7
+    assert ctx.dataset("terms") is reads[1]

@@ -44,6 +44,7 @@ class WorkerContext:
     live_rids: LiveRids = field(default_factory=LiveRids)
     _datasets: dict[str, tuple[float, DatasetRow]] = field(default_factory=dict)
     _decoders: dict[str, Decoder | None] = field(default_factory=dict)
+    _reading: dict[str, threading.Lock] = field(default_factory=dict)  # one per dataset
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
     def __post_init__(self) -> None:
@@ -77,15 +78,30 @@ class WorkerContext:
         return cls(settings, Store(settings.database_url), ledger, client, app, acks)
 
     def dataset(self, name: str) -> DatasetRow:
-        """The dataset's terms, re-read every few seconds so budget changes arrive."""
-        now = time.monotonic()
+        """The dataset's terms, re-read every few seconds so budget changes arrive.
+
+        One thread re-reads them while the others go on with the terms they have: when
+        the cached row expired, every task reaching this point at full rate read it at
+        once, each on a pooled connection of its own, which warmed up to 16 SQLite
+        connections' caches (docs/PERFORMANCE_EXPERIMENTS.md, seventeenth round)."""
         cached = self._datasets.get(name)
-        if cached is None or now - cached[0] > DATASET_CACHE_S:
+        if cached is not None and time.monotonic() - cached[0] <= DATASET_CACHE_S:
+            return cached[1]
+        with self._lock:
+            reading = self._reading.setdefault(name, threading.Lock())
+        if cached is None:
+            reading.acquire()
+        elif not reading.acquire(blocking=False):
+            return cached[1]  # another thread is re-reading them
+        try:
+            cached = self._datasets.get(name)  # a thread that read it meanwhile
+            if cached is not None and time.monotonic() - cached[0] <= DATASET_CACHE_S:
+                return cached[1]
             row = self.store.dataset(name)
-            with self._lock:
-                self._datasets[name] = (now, row)
+            self._datasets[name] = (time.monotonic(), row)
             return row
-        return cached[1]
+        finally:
+            reading.release()
 
     def decoder(self, tokenizer: str) -> Decoder | None:
         """A decoder for cut outputs, loaded once with the light ``tokenizers`` library."""

@@ -94,11 +94,18 @@ def _memory(r: dict[str, Any]) -> str:
     rows = [(k, s(v["idle"]), s(v["peak"]), s(v["end"]), s(v["rate"]))
             for k, v in r.items() if k.startswith("rss_")]
     b = r["redis_bytes_per_task"]
-    return md(["worker", "idle MB", "peak MB", "after warm run MB", "completions/s"], rows) + \
+    out = md(["worker", "idle MB", "peak MB", "after warm run MB", "completions/s"], rows) + \
         "\n" + md(["Redis, per queued task", "bytes"],
                   [("INFO used_memory delta", s(b["info_delta"], 0)),
                    ("MEMORY USAGE of all keys", s(b["memory_usage"], 0)),
                    ("one message body", s(b["message_bytes"], 0))])
+    long = r.get("long_run")
+    if long:
+        out += "\n" + md(["long run: samples settled", "worker RSS MB"],
+                         [(f"{p['samples']:,.0f}", f"{p['rss']:.1f}") for p in long["points"]])
+        out += (f"\nGrowth over the long run's second half: "
+                f"{long['growth_mb_per_10k']:.2f} MB per 10,000 samples.\n")
+    return out
 
 
 def _scaling(r: dict[str, Any]) -> str:

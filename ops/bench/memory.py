@@ -1,23 +1,29 @@
 """Benchmark 5, memory: worker RSS at concurrency 64 and 256, Redis bytes per queued task.
 
 RSS (VmRSS from /proc) of one ``datagen worker``: idle after start, peak, and at the
-end of a warm run against an instant simulator (mean output 300 tokens). Redis: INFO
+end of a warm run against an instant simulator (mean output 300 tokens). Then the long
+run: one worker (c=64, SQLite) through 100,000 samples, enqueued in five parts as it
+goes, with its RSS after each part, for what a run of days does to it. Redis: INFO
 ``used_memory`` before/after the real producer enqueues 10,000 prompts, cross-checked by
-``MEMORY USAGE`` of every key of the database. Targets: ≤ 250 MB at c=64, ≤ 1.2 KB/task.
+``MEMORY USAGE`` of every key of the database. Targets: ≤ 250 MB at c=64 (after the warm
+run and after the long one), ≤ 1.2 KB/task.
 
-    python -m ops.bench.memory [--quick]
+    python -m ops.bench.memory [--quick] [--long N] [--long-parts K]
 """
 
 from __future__ import annotations
 
 import argparse
+import math
 import threading
 import time
 from typing import Any
 
 import redis
 
+from common.store import Store
 from ops.bench.harness import (
+    WORKDIR,
     Processes,
     bench_settings,
     clean_workdir,
@@ -26,9 +32,10 @@ from ops.bench.harness import (
     rss_mb,
     start_sim,
     start_worker,
+    wait_until,
 )
 from ops.bench.report import Summary, emit, table, verdict
-from ops.bench.runs import pipeline_leg
+from ops.bench.runs import pipeline_leg, settled
 from ops.bench.synth import enqueue, prompt_files
 
 TARGET_RSS_MB, TARGET_BYTES = 250.0, 1200.0
@@ -42,10 +49,18 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--concurrency", default="64,256")
     p.add_argument("--queued", type=int, help="tasks enqueued for Redis (default 10,000)")
     p.add_argument("--reps", type=int, help="default 3")
+    p.add_argument("--long", type=int,
+                   help="samples of the long run (default 100,000; 3,000 with --quick; 0: none)")
+    p.add_argument("--long-parts", type=int, default=5,
+                   help="parts the long run's samples are enqueued in (default 5)")
     args = p.parse_args(argv)
     args.samples = args.samples or (600 if args.quick else 3000)
     args.queued = args.queued or (2000 if args.quick else 10_000)
     args.reps = args.reps or (1 if args.quick else 3)
+    if args.long is None:
+        args.long = 3000 if args.quick else 100_000
+    if args.long and not 1 <= args.long_parts <= args.long:
+        p.error("--long-parts must be between 1 and --long")
     return args
 
 
@@ -95,6 +110,51 @@ def worker_rss(procs: Processes, args: argparse.Namespace, sim: tuple[str, int],
     return {"idle": idle, "peak": samplers[0].peak, "end": samplers[0].last, "rate": leg.rate}
 
 
+def long_run(procs: Processes, args: argparse.Namespace, sim_url: str) -> dict[str, Any]:
+    """One worker through ``args.long`` samples, a part enqueued each time the one before
+    is settled: its RSS after each part, and how fast it grew over the second half.
+
+    Each part is a new set of prompts (new ids), as a run's datasets bring: the results
+    table grows all along, as does the ledger."""
+    fresh_redis()
+    settings = bench_settings(fresh_db("sqlite", "memory-long"), sim_url, 64)
+    per_part = args.long // args.long_parts
+    # Written before the worker starts, so that making them is not in its time.
+    folders = [prompt_files(per_part, seed=k, id_prefix=f"part{k}-")
+               for k in range(args.long_parts)]
+    worker = start_worker(procs, settings, 64, tag="long")
+    store = Store(settings.database_url)
+    points: list[dict[str, float]] = []
+    try:
+        time.sleep(IDLE_WAIT_S)
+        points.append({"samples": 0, "rss": rss_mb(worker.pid), "seconds": 0.0})
+        for k, folder in enumerate(folders):
+            started = time.monotonic()
+            enqueue(settings, folder, max_new_tokens=1024)
+            ok = wait_until(lambda: settled(store) or worker.poll() is not None,
+                            max(300.0, per_part / 20), 0.5)
+            if not ok or worker.poll() is not None:
+                raise RuntimeError(f"long run: part {k + 1} not settled (worker exit code "
+                                   f"{worker.poll()}); see {WORKDIR / 'long.log'}")
+            points.append({"samples": per_part * (k + 1), "rss": rss_mb(worker.pid),
+                           "seconds": time.monotonic() - started})
+    finally:
+        store.engine.dispose()
+        procs.stop(worker)
+    return {"samples": per_part * args.long_parts, "points": points,
+            "end": points[-1]["rss"], "growth_mb_per_10k": growth_per_10k(points)}
+
+
+def growth_per_10k(points: list[dict[str, float]]) -> float:
+    """MB of RSS per 10,000 samples from the point halfway through to the last one: the
+    rate a long run keeps growing at, once the start-up's and the first caches' growth
+    are behind it."""
+    mid, last = points[math.ceil((len(points) - 1) / 2)], points[-1]
+    if last["samples"] <= mid["samples"]:
+        return 0.0
+    return 10_000 * (last["rss"] - mid["rss"]) / (last["samples"] - mid["samples"])
+
+
 def redis_bytes(args: argparse.Namespace, sim_url: str) -> dict[str, float]:
     r = fresh_redis()
     settings = bench_settings(fresh_db("sqlite", "memory-redis"), sim_url)
@@ -120,6 +180,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             for c in (int(x) for x in args.concurrency.split(",") if x):
                 rss.setdefault(c, []).append(worker_rss(procs, args, (url, proc.pid), c))
             per_task.append(redis_bytes(args, url))
+        long = long_run(procs, args, url) if args.long else None
     redis.Redis.from_url(bench_settings("", "http://x").redis_url).flushdb()
     rows, figures = [], {}
     for c, runs in rss.items():
@@ -140,6 +201,17 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
            ("one message body, bytes", b["message_bytes"].fmt(0), ""),
            ("messages queued", b["queued"].fmt(0), "")])
     figures["redis_bytes_per_task"] = b
+    if long is not None:
+        table(f"worker RSS over a long run (SQLite, c=64; {long['samples']:,} samples in "
+              f"{len(long['points']) - 1} parts, each enqueued once the one before is settled)",
+              ["samples settled", "RSS MB", "part's seconds (enqueue included)"],
+              [(f"{p['samples']:,.0f}", f"{p['rss']:.1f}", f"{p['seconds']:.1f}")
+               for p in long["points"]])
+        print(f"RSS after the long run: {long['end']:.1f} MB "
+              f"(target <= {TARGET_RSS_MB:g}: {verdict(long['end'], TARGET_RSS_MB, False)}); "
+              f"growth over its second half: {long['growth_mb_per_10k']:.2f} MB per 10,000 "
+              "samples")
+        figures["long_run"] = long
     return figures
 
 

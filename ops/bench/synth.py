@@ -93,19 +93,23 @@ def _conversation(rng: random.Random, words: list[str], median: int, turns: int)
     return msgs
 
 
-def prompt_files(total: int, seed: int = 0) -> Path:
-    """A folder with one JSONL file per dataset, ``total`` prompts in all (cached)."""
-    folder = WORKDIR / f"prompts-{total}-{seed}"
+def prompt_files(total: int, seed: int = 0, id_prefix: str = "") -> Path:
+    """A folder with one JSONL file per dataset, ``total`` prompts in all (cached).
+
+    ``id_prefix`` starts every given id, so that folders of several seeds can be enqueued
+    into one run as new prompts (without it, ids repeat from one seed to the next)."""
+    folder = WORKDIR / f"prompts-{total}-{seed}{'-' + id_prefix if id_prefix else ''}"
     if not (folder / ".complete").exists():
         rng = random.Random(seed)
         for name, n, median, turns, with_ids in counts(total):
-            write_dataset(folder, name, n, median, turns, with_ids, rng)
+            write_dataset(folder, name, n, median, turns, with_ids, rng, id_prefix)
         (folder / ".complete").touch()
     return folder
 
 
 def write_dataset(folder: Path, name: str, n: int, median: int, turns: int = 1,
-                  with_ids: bool = True, rng: random.Random | None = None) -> Path:
+                  with_ids: bool = True, rng: random.Random | None = None,
+                  id_prefix: str = "") -> Path:
     """``folder/name.jsonl`` with ``n`` synthetic conversations."""
     rng = rng or random.Random(name)
     words = _lexicon_cached()
@@ -115,7 +119,7 @@ def write_dataset(folder: Path, name: str, n: int, median: int, turns: int = 1,
         for i in range(n):
             line: dict = {"messages": _conversation(rng, words, median, turns)}
             if with_ids:
-                line = {"id": f"{name}-{i:06d}", **line}
+                line = {"id": f"{id_prefix}{name}-{i:06d}", **line}
             fh.write(json.dumps(line, ensure_ascii=False) + "\n")
     return path
 
