@@ -60,9 +60,9 @@ def pooled_engine(url: str, **pool: Any) -> Engine:
     if url.startswith("sqlite"):
         # Every worker thread may hold a connection at once; SQLite serializes the writes.
         # Last in, first out: each SQLite connection keeps its own compiled statements (a
-        # group's statements differ by its size) and page cache, some 6 MB once warm, so
+        # group's statements differ by its size) and page cache, up to 8 MB once warm, so
         # the pool hands out the connections used last and leaves the others cold. Taken in
-        # turn, all 16 warmed up: 35 MB more RSS after 100,000 samples (ops.bench.memory).
+        # turn, all 16 warmed up: 30-37 MB more RSS after 100,000 samples (ops.bench.memory).
         engine = sa.create_engine(
             url, connect_args={"timeout": 60, "check_same_thread": False},
             **{"pool_size": 16, "max_overflow": 240, "pool_timeout": 120, "pool_use_lifo": True,
