@@ -8,10 +8,15 @@ from typing import Any
 import sqlalchemy as sa
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.engine import Engine
-from sqlalchemy.exc import OperationalError
+from sqlalchemy.exc import InterfaceError, OperationalError
 
 from common.errors import ServiceUnavailable
 from common.schema import metadata
+from common.settings import DEFAULT_DB_CONNECTIONS
+
+# The database did not answer, or the pool had no connection free for pool_timeout: nothing
+# about the data is known to be wrong, so the caller waits and tries again.
+UNAVAILABLE: tuple[type[Exception], ...] = (OperationalError, InterfaceError, sa.exc.TimeoutError)
 
 
 def _sqlite_pragmas(dbapi_conn: Any, _record: Any) -> None:
@@ -53,9 +58,10 @@ def sqlalchemy_url(url: str) -> str:
     return url
 
 
-def pooled_engine(url: str, **pool: Any) -> Engine:
+def pooled_engine(url: str, connections: int = DEFAULT_DB_CONNECTIONS, **pool: Any) -> Engine:
     """An engine with the project's connection handling (SQLite's pragmas, PostgreSQL's
-    check at checkout); ``pool`` overrides the pool's defaults (sizes, timeouts)."""
+    check at checkout); ``connections``: most PostgreSQL connections it holds; ``pool``
+    overrides the pool's defaults (sizes, timeouts)."""
     url = sqlalchemy_url(url)
     if url.startswith("sqlite"):
         # Every worker thread may hold a connection at once; SQLite serializes the writes.
@@ -70,15 +76,18 @@ def pooled_engine(url: str, **pool: Any) -> Engine:
         )
         sa.event.listen(engine, "connect", _sqlite_pragmas)
     else:
-        engine = sa.create_engine(url, **{"pool_size": 8, "max_overflow": 64,
+        # Capped, with no overflow: the server's max_connections is shared by every
+        # process of a run, so a worker's threads take turns on a few connections (their
+        # statements take milliseconds) rather than each opening its own.
+        engine = sa.create_engine(url, **{"pool_size": connections, "max_overflow": 0,
                                           "pool_recycle": 1800, "pool_timeout": 120, **pool})
         sa.event.listen(engine, "checkout", _drop_if_closed_by_server)
     return engine
 
 
-def make_engine(url: str) -> Engine:
+def make_engine(url: str, connections: int = DEFAULT_DB_CONNECTIONS) -> Engine:
     """An engine whose schema exists; ServiceUnavailable if the database does not answer."""
-    engine = pooled_engine(url)
+    engine = pooled_engine(url, connections)
     try:
         metadata.create_all(engine)
     except OperationalError as exc:

@@ -40,6 +40,7 @@ def connect_redis(settings: Settings) -> redis.Redis:
 
 def connect(settings: Settings) -> tuple[Store, Ledger]:
     """The store and its ledger; StoreMismatch if the Redis holds another database's."""
-    store, ledger = Store(settings.database_url), Ledger(connect_redis(settings))
+    store = Store(settings.database_url, settings.db_connections)
+    ledger = Ledger(connect_redis(settings))
     pair(store, ledger)
     return store, ledger

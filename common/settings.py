@@ -14,6 +14,10 @@ from dataclasses import dataclass, field
 from common.errors import ConfigError
 
 ENV_PREFIX = "DATAGEN_"
+# A worker at full rate had at most 7 connections out at once, at its start (the first
+# reads of each dataset's terms), and 1-2 after; the server's max_connections has to cover
+# every process's share (docs/PERFORMANCE.md, "A 100-node SGLang fleet").
+DEFAULT_DB_CONNECTIONS = 4
 
 
 def _split_urls(raw: str) -> tuple[str, ...]:
@@ -41,11 +45,21 @@ class Settings:
     retry_max_s: float = 60.0
     # Worker concurrency: a threads pool sized to the SGLang running-request capacity.
     concurrency: int = 64
+    # Most connections one process holds to PostgreSQL (SQLite: not limited). A worker's
+    # threads share them: its grouped steps need one or two at a time.
+    db_connections: int = DEFAULT_DB_CONNECTIONS
     default_budget_tokens: int = 10_000_000
     # Liveness: a worker silent for dead_after_s has its unacked messages returned at once.
     heartbeat_s: float = 5.0
     dead_after_s: float = 20.0
     sglang_api_key: str = field(default="", repr=False)
+
+    def __post_init__(self) -> None:
+        # With one, a read made while the thread holds a connection (inside a streamed
+        # query's loop) would wait for itself until the pool's timeout.
+        if self.db_connections < 2:
+            raise ConfigError(
+                f"{ENV_PREFIX}DB_CONNECTIONS={self.db_connections} must be at least 2")
 
     @property
     def visibility_timeout_s(self) -> int:

@@ -16,6 +16,7 @@ from common.budget import Budget
 from common.db import insert_ignore, make_engine
 from common.errors import UnknownDatasetError
 from common.schema import datasets, meta, prompts, results, utcnow
+from common.settings import DEFAULT_DB_CONNECTIONS
 from common.tokenids import unpack
 
 
@@ -264,9 +265,10 @@ def _prompt_insert(
 
 
 class Store:
-    def __init__(self, url: str) -> None:
+    def __init__(self, url: str, connections: int = DEFAULT_DB_CONNECTIONS) -> None:
+        """``connections``: most connections to PostgreSQL this store holds at once."""
         self.url = url
-        self.engine = make_engine(url)
+        self.engine = make_engine(url, connections)
 
     def describe(self) -> str:
         """The database's URL without its password, for messages."""

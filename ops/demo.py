@@ -99,7 +99,7 @@ def _wait(settings: Settings, console: Console) -> None:
 
 
 def _show_query(settings: Settings, console: Console) -> None:
-    with Store(settings.database_url).engine.connect() as conn:
+    with Store(settings.database_url, settings.db_connections).engine.connect() as conn:
         res = conn.execute(sa.text(RESULTS_QUERY))
         table = Table(title="SQL over results:" + RESULTS_QUERY.rstrip(), title_justify="left")
         columns = res.keys()
@@ -114,7 +114,7 @@ def _why_a_private_redis(settings: Settings) -> str | None:
     """Why the configured Redis cannot serve this run, or None when it can."""
     if not answers(settings.redis_url):
         return "no Redis answered"
-    store = Store(settings.database_url)
+    store = Store(settings.database_url, settings.db_connections)
     if paired_elsewhere(store, Ledger(redis.Redis.from_url(settings.redis_url))):
         # Another checkout's or an earlier, deleted database's run: left alone, not merged.
         return (f"the Redis at {safe_url(settings.redis_url)} holds another results "

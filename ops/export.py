@@ -193,7 +193,7 @@ def _progress() -> Progress:
 
 def run_export(args: argparse.Namespace, settings: Settings) -> int:
     out = Path(args.out)
-    store = Store(settings.database_url)
+    store = Store(settings.database_url, settings.db_connections)
     datasets = select_datasets(store, args.datasets)
     prepare_out(out)
     with _progress() as progress:

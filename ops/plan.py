@@ -225,7 +225,8 @@ def add_plan_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
 
 
 def run_plan(args: argparse.Namespace, settings: Settings) -> int:
-    rows, total = build_plan(Store(settings.database_url), args.mean_tokens, args.tok_per_s)
+    store = Store(settings.database_url, settings.db_connections)
+    rows, total = build_plan(store, args.mean_tokens, args.tok_per_s)
     if args.json:
         print(json.dumps(as_json(rows, total), indent=2))
         return 0

@@ -213,7 +213,7 @@ def run_validate(args: argparse.Namespace, settings: Settings) -> int:
     doc = load_manifest(directory)
     fmt = doc["format"]
     names = list(_selected(doc, args.datasets))
-    store = Store(settings.database_url)
+    store = Store(settings.database_url, settings.db_connections)
     print(f"validating {directory} ({fmt}, {len(names)} datasets) against "
           f"{safe_url(settings.database_url)}")
     if doc.get("database_url") != safe_url(settings.database_url):

@@ -1,8 +1,11 @@
-"""The PostgreSQL pool's check at checkout: a connection the server closed while it sat in
-the pool is replaced before anyone uses it, without a round trip for the healthy ones."""
+"""The pools. PostgreSQL's looks at each connection it hands out: one the server closed
+while it sat in the pool is replaced before anyone uses it, without a round trip for the
+healthy ones; and it holds at most the configured number. SQLite's reuses its warm
+connection."""
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -12,6 +15,9 @@ import sqlalchemy as sa
 from sqlalchemy import exc as sa_exc
 
 from common.db import make_engine
+from common.errors import ConfigError
+from common.settings import Settings
+from common.store import Store
 from tests.conftest import POSTGRES_URL
 
 
@@ -89,3 +95,44 @@ def test_sqlite_hands_out_the_connection_returned_last(tmp_path: Path) -> None:
             assert again.connection.driver_connection is drivers[1]
     finally:
         engine.dispose()
+
+
+def test_a_process_holds_at_most_its_connections_and_its_threads_take_turns() -> None:
+    """Every process of a run shares the server's max_connections: twelve threads that
+    each want a connection at once get three between them, and all of them are served."""
+    engine = make_engine(POSTGRES_URL, connections=3)
+    inside, peak, pids, lock = [0], [0], set(), threading.Lock()
+
+    def use() -> None:
+        with engine.connect() as conn:
+            with lock:
+                inside[0] += 1
+                peak[0] = max(peak[0], inside[0])
+            pid = conn.exec_driver_sql("SELECT pg_backend_pid() FROM pg_sleep(0.05)").scalar_one()
+            with lock:
+                inside[0] -= 1
+                pids.add(pid)
+
+    try:
+        threads = [threading.Thread(target=use) for _ in range(12)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=30)
+        assert not any(t.is_alive() for t in threads)
+        assert len(pids) <= 3 and peak[0] == 3  # the cap was reached, and never passed
+        assert engine.pool.checkedout() == 0
+    finally:
+        engine.dispose()
+
+
+def test_the_cap_comes_from_the_environment() -> None:
+    settings = Settings.from_env({"DATAGEN_DB_CONNECTIONS": "2"})
+    store = Store(POSTGRES_URL, settings.db_connections)
+    try:
+        assert store.engine.pool.size() == 2  # the cap itself: the test above
+    finally:
+        store.engine.dispose()
+    assert Settings().db_connections == 4
+    with pytest.raises(ConfigError, match="DATAGEN_DB_CONNECTIONS=1 must be at least 2"):
+        Settings.from_env({"DATAGEN_DB_CONNECTIONS": "1"})

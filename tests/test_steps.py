@@ -12,6 +12,7 @@ from typing import Any
 
 import pytest
 import redis
+from sqlalchemy import exc as sa_exc
 from sqlalchemy.exc import OperationalError
 
 from common.budget import Budget
@@ -88,16 +89,21 @@ def test_a_step_goes_on_once_half_the_workers_tasks_have_joined(
     assert store.prompt_counts("half") == {"done": 2}
 
 
+@pytest.mark.parametrize("error", [
+    OperationalError("INSERT", {}, Exception("server closed the connection")),
+    # The pool had no connection free in time: the database is slow, not the rows wrong.
+    sa_exc.TimeoutError("QueuePool limit of size 4 overflow 0 reached, connection timed out"),
+], ids=["closed", "no-connection"])
 def test_a_database_outage_at_the_commit_keeps_the_charge(
     settings: Settings, store: Store, ledger: Ledger, sim: str, tmp_path: Path,
-    monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch: pytest.MonkeyPatch, error: Exception) -> None:
     ctx = context_for(settings, tmp_path, "outage", 8)
     real, failures = ctx.store.save_results, [2]
 
     def flaky(rows: Any) -> Any:
         if failures[0]:
             failures[0] -= 1
-            raise OperationalError("INSERT", {}, Exception("server closed the connection"))
+            raise error
         return real(rows)
 
     monkeypatch.setattr(ctx.store, "save_results", flaky)

@@ -75,7 +75,8 @@ class WorkerContext:
         if app is not None and app.conf.broker_transport == TRANSPORT:
             # The broker is the ledger's Redis (both are settings.redis_url).
             acks = functools.partial(ack_settled, ledger.redis)
-        return cls(settings, Store(settings.database_url), ledger, client, app, acks)
+        store = Store(settings.database_url, settings.db_connections)
+        return cls(settings, store, ledger, client, app, acks)
 
     def dataset(self, name: str) -> DatasetRow:
         """The dataset's terms, re-read every few seconds so budget changes arrive.

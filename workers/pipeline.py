@@ -14,9 +14,9 @@ from enum import StrEnum
 from typing import Any, TypeVar
 
 import redis
-from sqlalchemy.exc import InterfaceError, OperationalError
 
 from common.closing import after_close
+from common.db import UNAVAILABLE
 from common.errors import TransientError
 from common.ledger import Admission, Charge
 from common.reconcile import reconcile_dataset
@@ -106,7 +106,7 @@ def keep(ctx: WorkerContext, ds: DatasetRow, sample_id: str, completion: Complet
     charge, row = settled.charge, settled.row
     if charge.status is Charge.REFUSED:
         return Outcome.DISCARDED
-    if row is not None and isinstance(settled.error, (OperationalError, InterfaceError)):
+    if row is not None and isinstance(settled.error, UNAVAILABLE):
         # Charged, but the database was away: store this row alone once it is back.
         inserted = wait_out_outage(lambda: ctx.results.save(row))
     elif settled.error is not None:
@@ -125,7 +125,7 @@ def keep(ctx: WorkerContext, ds: DatasetRow, sample_id: str, completion: Complet
         # database or Redis restart here.
         wait_out_outage(lambda: after_close(ds.name, store=ctx.store, ledger=ctx.ledger,
                                           app=ctx.app, client=ctx.client),
-                      retry_on=(OperationalError, redis.RedisError))
+                      retry_on=(*UNAVAILABLE, redis.RedisError))
     return Outcome.DONE if inserted else Outcome.DUPLICATE
 
 
@@ -152,7 +152,7 @@ def _aborted(
 
 
 def wait_out_outage(fn: Callable[[], T], window_s: float = OUTAGE_WINDOW_S,
-                    retry_on: tuple[type[Exception], ...] = (OperationalError,),
+                    retry_on: tuple[type[Exception], ...] = UNAVAILABLE,
                     failing: Callable[[], str] | None = None) -> T:
     """Call ``fn`` until it gets past a database restart (or the other outages ``retry_on``
     names), for up to ``window_s``, rather than lose a generated sample. ``failing`` says

@@ -9,8 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from sqlalchemy import exc as sa_exc
-
+from common.db import UNAVAILABLE
 from common.store import Store
 from workers.grouping import LINGER_S, MAX_GROUP, GroupCall, Outcomes
 
@@ -54,7 +53,7 @@ def commit_rows(store: Store, rows: list[dict[str, Any]]) -> Outcomes[bool]:
         first.setdefault(_key(row), i)
     try:
         inserted = store.save_results([rows[i] for i in first.values()])
-    except (sa_exc.OperationalError, sa_exc.InterfaceError):
+    except UNAVAILABLE:
         raise
     except Exception as exc:
         if len(rows) == 1:

@@ -16,8 +16,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import redis
-from sqlalchemy import exc as sa_exc
 
+from common.db import UNAVAILABLE
 from common.ledger import Admission, AdmitArgs, Charge, ChargeArgs, ChargeResult
 from common.sglang_client import Completion
 from common.store import DatasetRow, PromptRow
@@ -79,7 +79,7 @@ def settle_group(ctx: WorkerContext, items: list[SettleItem]) -> list[Settled]:
                 failed[i] = exc
     try:
         stored = dict(zip(rows, commit_rows(ctx.store, list(rows.values())), strict=True))
-    except (sa_exc.OperationalError, sa_exc.InterfaceError) as exc:
+    except UNAVAILABLE as exc:
         stored = dict.fromkeys(rows, exc)  # each task waits the database out for its row
     settled = []
     for i, charge in enumerate(charges):

@@ -9,9 +9,9 @@ from typing import NoReturn
 import redis
 from celery import Celery, Task
 from celery.exceptions import Reject
-from sqlalchemy import exc as sa_exc
 
 from common.celery_app import GENERATE_TASK
+from common.db import UNAVAILABLE
 from common.errors import PermanentError, ServerUnreachable, StoreMismatch, TransientError
 from common.settings import Settings
 from workers.context import WorkerContext, get_context
@@ -21,7 +21,7 @@ from workers.pipeline import OUTAGE_WINDOW_S, Outcome, run_sample, wait_out_outa
 log = logging.getLogger(__name__)
 # How long a task waits for its dataset's in-flight requests when admission says "wait".
 ADMISSION_WAIT_S = 2.0
-INFRASTRUCTURE_ERRORS = (redis.RedisError, sa_exc.OperationalError, sa_exc.InterfaceError)
+INFRASTRUCTURE_ERRORS: tuple[type[Exception], ...] = (redis.RedisError, *UNAVAILABLE)
 # A server that refuses connections is retried at a steady, capped pace until it is back.
 UNREACHABLE_BACKOFF_STEP = 4
 
