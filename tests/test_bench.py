@@ -29,7 +29,7 @@ from ops.bench.harness import (
     main_thread,
     wait_until,
 )
-from ops.bench.memory import growth_per_10k
+from ops.bench.memory import growth_per_10k, long_key
 from ops.bench.overhead import round_order
 from ops.bench.report import RESULT_PREFIX
 from ops.bench.runs import watch
@@ -306,29 +306,38 @@ def test_the_overhead_legs_run_on_as_many_worker_processes_as_asked(
 
 def test_the_long_memory_run_settles_each_part_as_new_prompts(tmp_path: Path,
                                                               redis_client: redis.Redis) -> None:
-    """``ops.bench.memory``'s long run, cut short: every part is a new set of prompts, all
-    settled by the one worker before its RSS is read, so the run's results table ends with
-    every sample of every part, once."""
-    env = {**os.environ, "DATAGEN_BENCH_REDIS_URL": REDIS_URL, "DATAGEN_BENCH_DIR": str(tmp_path)}
+    """``ops.bench.memory``'s long run, cut short, on both databases: every part is a new
+    set of prompts, all settled by the one worker before its RSS is read, so each run's
+    results table ends with every sample of every part, once."""
+    env = {**os.environ, "DATAGEN_BENCH_REDIS_URL": REDIS_URL,
+           "DATAGEN_BENCH_POSTGRES_URL": POSTGRES_URL, "DATAGEN_BENCH_DIR": str(tmp_path)}
     done = subprocess.run(
         [sys.executable, "-m", "ops.bench.memory", "--quick", "--concurrency", "64",
-         "--samples", "200", "--queued", "200", "--long", "600", "--long-parts", "3"],
+         "--samples", "200", "--queued", "200", "--long", "600", "--long-parts", "3",
+         "--long-dbs", "sqlite,postgresql"],
         env=env, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     result = next(json.loads(line.split(" ", 1)[1]) for line in done.stdout.splitlines()
                   if line.startswith("bench-result "))
-    long = result["long_run"]
-    assert [p["samples"] for p in long["points"]] == [0, 200, 400, 600], long
-    assert all(p["rss"] > 0 for p in long["points"]), long
-    assert long["end"] == long["points"][-1]["rss"]
-    engine = sa.create_engine(f"sqlite:///{tmp_path / 'memory-long.db'}")
+    for kind in ("sqlite", "postgresql"):
+        long = result[long_key(kind)]
+        assert [p["samples"] for p in long["points"]] == [0, 200, 400, 600], (kind, long)
+        assert all(p["rss"] > 0 for p in long["points"]), (kind, long)
+        assert long["end"] == long["points"][-1]["rss"]
+    assert _stored(POSTGRES_URL) == (600, 600, 0)  # nothing after the run empties it
+    assert _stored(f"sqlite:///{tmp_path / 'memory-long.db'}") == (600, 600, 0)
+
+
+def _stored(url: str) -> tuple[int, int, int]:
+    """Results, distinct samples among them, and prompts not done."""
+    engine = sa.create_engine(url)
     with engine.connect() as conn:
         rows, distinct = conn.execute(sa.text(
             "SELECT COUNT(*), COUNT(DISTINCT dataset || '/' || sample_id) FROM results")).one()
         queued = conn.execute(sa.text(
             "SELECT COUNT(*) FROM prompts WHERE state != 'done'")).scalar()
     engine.dispose()
-    assert (rows, distinct, queued) == (600, 600, 0)
+    return int(rows), int(distinct), int(queued)
 
 
 def test_the_long_runs_growth_is_read_over_its_second_half() -> None:

@@ -12,6 +12,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from ops.bench.memory import long_key
 from ops.bench.summary import headline
 
 
@@ -99,12 +100,14 @@ def _memory(r: dict[str, Any]) -> str:
                   [("INFO used_memory delta", s(b["info_delta"], 0)),
                    ("MEMORY USAGE of all keys", s(b["memory_usage"], 0)),
                    ("one message body", s(b["message_bytes"], 0))])
-    long = r.get("long_run")
-    if long:
-        out += "\n" + md(["long run: samples settled", "worker RSS MB"],
-                         [(f"{p['samples']:,.0f}", f"{p['rss']:.1f}") for p in long["points"]])
-        out += (f"\nGrowth over the long run's second half: "
-                f"{long['growth_mb_per_10k']:.2f} MB per 10,000 samples.\n")
+    for kind, label in (("sqlite", "SQLite"), ("postgresql", "PostgreSQL")):
+        long = r.get(long_key(kind))
+        if long:
+            out += "\n" + md([f"long run, {label}: samples settled", "worker RSS MB"],
+                             [(f"{p['samples']:,.0f}", f"{p['rss']:.1f}")
+                              for p in long["points"]])
+            out += (f"\nGrowth over the {label} long run's second half: "
+                    f"{long['growth_mb_per_10k']:.2f} MB per 10,000 samples.\n")
     return out
 
 

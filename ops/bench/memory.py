@@ -2,13 +2,14 @@
 
 RSS (VmRSS from /proc) of one ``datagen worker``: idle after start, peak, and at the
 end of a warm run against an instant simulator (mean output 300 tokens). Then the long
-run: one worker (c=64, SQLite) through 100,000 samples, enqueued in five parts as it
-goes, with its RSS after each part, for what a run of days does to it. Redis: INFO
+run: one worker (c=64) through 100,000 samples, enqueued in five parts as it goes, with
+its RSS after each part, for what a run of days does to it; once on SQLite and once on
+PostgreSQL, whose drivers keep different caches. Redis: INFO
 ``used_memory`` before/after the real producer enqueues 10,000 prompts, cross-checked by
 ``MEMORY USAGE`` of every key of the database. Targets: ≤ 250 MB at c=64 (after the warm
 run and after the long one), ≤ 1.2 KB/task.
 
-    python -m ops.bench.memory [--quick] [--long N] [--long-parts K]
+    python -m ops.bench.memory [--quick] [--long N] [--long-parts K] [--long-dbs DBS]
 """
 
 from __future__ import annotations
@@ -53,12 +54,18 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
                    help="samples of the long run (default 100,000; 3,000 with --quick; 0: none)")
     p.add_argument("--long-parts", type=int, default=5,
                    help="parts the long run's samples are enqueued in (default 5)")
+    p.add_argument("--long-dbs", help="databases of the long run, each a run of its own "
+                   "(default sqlite,postgresql; quick: sqlite)")
     args = p.parse_args(argv)
+    args.long_dbs = [d for d in (args.long_dbs or (
+        "sqlite" if args.quick else "sqlite,postgresql")).split(",") if d]
     args.samples = args.samples or (600 if args.quick else 3000)
     args.queued = args.queued or (2000 if args.quick else 10_000)
     args.reps = args.reps or (1 if args.quick else 3)
     if args.long is None:
         args.long = 3000 if args.quick else 100_000
+    if unknown := set(args.long_dbs) - {"sqlite", "postgresql"}:
+        p.error(f"--long-dbs: unknown database {', '.join(sorted(unknown))}")
     if args.long and not 1 <= args.long_parts <= args.long:
         p.error("--long-parts must be between 1 and --long")
     return args
@@ -110,19 +117,25 @@ def worker_rss(procs: Processes, args: argparse.Namespace, sim: tuple[str, int],
     return {"idle": idle, "peak": samplers[0].peak, "end": samplers[0].last, "rate": leg.rate}
 
 
-def long_run(procs: Processes, args: argparse.Namespace, sim_url: str) -> dict[str, Any]:
+def long_key(kind: str) -> str:
+    """The figures' key of a database's long run (SQLite's kept its first name)."""
+    return "long_run" if kind == "sqlite" else f"long_run_{kind}"
+
+
+def long_run(procs: Processes, args: argparse.Namespace, sim_url: str,
+             kind: str = "sqlite") -> dict[str, Any]:
     """One worker through ``args.long`` samples, a part enqueued each time the one before
     is settled: its RSS after each part, and how fast it grew over the second half.
 
     Each part is a new set of prompts (new ids), as a run's datasets bring: the results
     table grows all along, as does the ledger."""
     fresh_redis()
-    settings = bench_settings(fresh_db("sqlite", "memory-long"), sim_url, 64)
+    settings = bench_settings(fresh_db(kind, "memory-long"), sim_url, 64)
     per_part = args.long // args.long_parts
     # Written before the worker starts, so that making them is not in its time.
     folders = [prompt_files(per_part, seed=k, id_prefix=f"part{k}-")
                for k in range(args.long_parts)]
-    worker = start_worker(procs, settings, 64, tag="long")
+    worker = start_worker(procs, settings, 64, tag=f"long-{kind}")
     store = Store(settings.database_url)
     points: list[dict[str, float]] = []
     try:
@@ -134,8 +147,8 @@ def long_run(procs: Processes, args: argparse.Namespace, sim_url: str) -> dict[s
             ok = wait_until(lambda: settled(store) or worker.poll() is not None,
                             max(300.0, per_part / 20), 0.5)
             if not ok or worker.poll() is not None:
-                raise RuntimeError(f"long run: part {k + 1} not settled (worker exit code "
-                                   f"{worker.poll()}); see {WORKDIR / 'long.log'}")
+                raise RuntimeError(f"long run ({kind}): part {k + 1} not settled (worker exit "
+                                   f"code {worker.poll()}); see {WORKDIR / f'long-{kind}.log'}")
             points.append({"samples": per_part * (k + 1), "rss": rss_mb(worker.pid),
                            "seconds": time.monotonic() - started})
     finally:
@@ -180,7 +193,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             for c in (int(x) for x in args.concurrency.split(",") if x):
                 rss.setdefault(c, []).append(worker_rss(procs, args, (url, proc.pid), c))
             per_task.append(redis_bytes(args, url))
-        long = long_run(procs, args, url) if args.long else None
+        longs = {kind: long_run(procs, args, url, kind) for kind in args.long_dbs} \
+            if args.long else {}
     redis.Redis.from_url(bench_settings("", "http://x").redis_url).flushdb()
     rows, figures = [], {}
     for c, runs in rss.items():
@@ -201,17 +215,17 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
            ("one message body, bytes", b["message_bytes"].fmt(0), ""),
            ("messages queued", b["queued"].fmt(0), "")])
     figures["redis_bytes_per_task"] = b
-    if long is not None:
-        table(f"worker RSS over a long run (SQLite, c=64; {long['samples']:,} samples in "
+    for kind, long in longs.items():
+        table(f"worker RSS over a long run ({kind}, c=64; {long['samples']:,} samples in "
               f"{len(long['points']) - 1} parts, each enqueued once the one before is settled)",
               ["samples settled", "RSS MB", "part's seconds (enqueue included)"],
               [(f"{p['samples']:,.0f}", f"{p['rss']:.1f}", f"{p['seconds']:.1f}")
                for p in long["points"]])
-        print(f"RSS after the long run: {long['end']:.1f} MB "
+        print(f"RSS after the long run ({kind}): {long['end']:.1f} MB "
               f"(target <= {TARGET_RSS_MB:g}: {verdict(long['end'], TARGET_RSS_MB, False)}); "
               f"growth over its second half: {long['growth_mb_per_10k']:.2f} MB per 10,000 "
               "samples")
-        figures["long_run"] = long
+        figures[long_key(kind)] = long
     return figures
 
 

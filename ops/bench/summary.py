@@ -5,6 +5,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from ops.bench.memory import long_key
+
 Row = tuple[str, str, str, str, str]
 
 
@@ -96,19 +98,24 @@ def _memory(r: Any) -> list[Row]:
              "<= 250", lambda v: v <= 250),
         _row("memory", "worker RSS MB after warm run, c=256", _med(r, "rss_c256", "end"),
              ".0f", "-", None),
-        _row("memory", f"worker RSS MB after the long run{_long_samples(r)}, c=64",
-             _med(r, "long_run", "end"), ".0f", "<= 250", lambda v: v <= 250),
-        _row("memory", "worker RSS growth, MB per 10,000 samples (the long run's second half)",
-             _med(r, "long_run", "growth_mb_per_10k"), ".1f", "-", None),
+        *(row for kind, label in (("sqlite", "SQLite"), ("postgresql", "PostgreSQL"))
+          for row in _long(r, kind, label)),
         _row("memory", "Redis bytes per queued task",
              _med(r, "redis_bytes_per_task", "info_delta"), ",.0f", "<= 1,200",
              lambda v: v <= 1200),
     ]
 
 
-def _long_samples(r: Any) -> str:
-    samples = _med(r, "long_run", "samples")
-    return f" ({samples:,.0f} samples)" if samples else ""
+def _long(r: Any, kind: str, label: str) -> list[Row]:
+    key = long_key(kind)
+    samples = _med(r, key, "samples")
+    count = f" ({samples:,.0f} samples)" if samples else ""
+    return [
+        _row("memory", f"worker RSS MB after the long run{count}, c=64, {label}",
+             _med(r, key, "end"), ".0f", "<= 250", lambda v: v <= 250),
+        _row("memory", f"worker RSS growth, MB per 10,000 samples (the long run's second "
+             f"half), {label}", _med(r, key, "growth_mb_per_10k"), ".1f", "-", None),
+    ]
 
 
 def _scaling(r: Any) -> list[Row]:
