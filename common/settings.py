@@ -14,9 +14,9 @@ from dataclasses import dataclass, field
 from common.errors import ConfigError
 
 ENV_PREFIX = "DATAGEN_"
-# A worker at full rate had at most 7 connections out at once, at its start (the first
-# reads of each dataset's terms), and 1-2 after; the server's max_connections has to cover
-# every process's share (docs/PERFORMANCE.md, "A 100-node SGLang fleet").
+# A worker at full rate had up to 7 connections out at once, but 230 of its 239 checkouts
+# found at most one other out; the server's max_connections has to cover every process's
+# share (docs/PERFORMANCE.md, "A 100-node SGLang fleet").
 DEFAULT_DB_CONNECTIONS = 4
 
 
