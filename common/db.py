@@ -92,10 +92,22 @@ def make_engine(url: str, connections: int = DEFAULT_DB_CONNECTIONS) -> Engine:
         metadata.create_all(engine)
     except OperationalError as exc:
         safe = engine.url.render_as_string(hide_password=True)
+        if any(text in str(exc.orig) for text in _NO_ROOM):
+            raise ServiceUnavailable(
+                f"database {safe} has no connection left for this process: {exc.orig}; "
+                "raise its max_connections (or the role's or database's connection limit), "
+                f"or lower DATAGEN_DB_CONNECTIONS ({connections} a process now), so that "
+                "every process of the run fits") from None
         raise ServiceUnavailable(
             f"database {safe} does not answer: {exc.orig}; check DATAGEN_DATABASE_URL"
         ) from None
     return engine
+
+
+# PostgreSQL's refusals of a new connection for want of room (SQLSTATE 53300, which psycopg
+# does not report for a connection it never made): the server's max_connections, a role's
+# or a database's CONNECTION LIMIT.
+_NO_ROOM = ("too many clients already", "too many connections for")
 
 
 def insert_ignore(engine: Engine, table: sa.Table) -> Any:

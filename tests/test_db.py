@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import threading
 import time
+import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -15,7 +16,7 @@ import sqlalchemy as sa
 from sqlalchemy import exc as sa_exc
 
 from common.db import make_engine
-from common.errors import ConfigError
+from common.errors import ConfigError, ServiceUnavailable
 from common.settings import Settings
 from common.store import Store
 from tests.conftest import POSTGRES_URL
@@ -136,3 +137,25 @@ def test_the_cap_comes_from_the_environment() -> None:
     assert Settings().db_connections == 4
     with pytest.raises(ConfigError, match="DATAGEN_DB_CONNECTIONS=1 must be at least 2"):
         Settings.from_env({"DATAGEN_DB_CONNECTIONS": "1"})
+
+
+def test_a_server_with_no_connection_left_says_what_to_change() -> None:
+    """A fleet past PostgreSQL's max_connections is refused at connect, with the same
+    SQLSTATE as a role at its connection limit: the message names the limits, not the
+    URL."""
+    role = f"datagen_full_{uuid.uuid4().hex[:8]}"
+    admin = sa.create_engine(POSTGRES_URL, isolation_level="AUTOCOMMIT")
+    try:
+        with admin.connect() as conn:
+            conn.exec_driver_sql(f"CREATE ROLE {role} LOGIN CONNECTION LIMIT 0")
+        url = sa.make_url(POSTGRES_URL).set(username=role, password=None)
+        with pytest.raises(ServiceUnavailable) as caught:
+            make_engine(url.render_as_string(hide_password=False), connections=3)
+        message = str(caught.value)
+        assert f'too many connections for role "{role}"' in message
+        assert "max_connections" in message and "DATAGEN_DB_CONNECTIONS (3 a process" in message
+        assert "check DATAGEN_DATABASE_URL" not in message
+    finally:
+        with admin.connect() as conn:
+            conn.exec_driver_sql(f"DROP ROLE IF EXISTS {role}")
+        admin.dispose()
