@@ -85,6 +85,12 @@ def pooled_engine(url: str, connections: int = DEFAULT_DB_CONNECTIONS, **pool: A
     return engine
 
 
+# PostgreSQL's refusals of a new connection for want of room (SQLSTATE 53300, which psycopg
+# does not report for a connection it never made): the server's max_connections, a role's
+# or a database's CONNECTION LIMIT.
+_NO_ROOM = ("too many clients already", "too many connections for")
+
+
 def make_engine(url: str, connections: int = DEFAULT_DB_CONNECTIONS) -> Engine:
     """An engine whose schema exists; ServiceUnavailable if the database does not answer."""
     engine = pooled_engine(url, connections)
@@ -102,12 +108,6 @@ def make_engine(url: str, connections: int = DEFAULT_DB_CONNECTIONS) -> Engine:
             f"database {safe} does not answer: {exc.orig}; check DATAGEN_DATABASE_URL"
         ) from None
     return engine
-
-
-# PostgreSQL's refusals of a new connection for want of room (SQLSTATE 53300, which psycopg
-# does not report for a connection it never made): the server's max_connections, a role's
-# or a database's CONNECTION LIMIT.
-_NO_ROOM = ("too many clients already", "too many connections for")
 
 
 def insert_ignore(engine: Engine, table: sa.Table) -> Any:

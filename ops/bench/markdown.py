@@ -12,7 +12,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from ops.bench.memory import long_key
+from ops.bench.memory import LONG_DBS, long_key
 from ops.bench.summary import headline
 
 
@@ -100,7 +100,7 @@ def _memory(r: dict[str, Any]) -> str:
                   [("INFO used_memory delta", s(b["info_delta"], 0)),
                    ("MEMORY USAGE of all keys", s(b["memory_usage"], 0)),
                    ("one message body", s(b["message_bytes"], 0))])
-    for kind, label in (("sqlite", "SQLite"), ("postgresql", "PostgreSQL")):
+    for kind, label in LONG_DBS.items():
         long = r.get(long_key(kind))
         if long:
             out += "\n" + md([f"long run, {label}: samples settled", "worker RSS MB"],

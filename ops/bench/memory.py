@@ -40,6 +40,8 @@ from ops.bench.runs import pipeline_leg, settled
 from ops.bench.synth import enqueue, prompt_files
 
 TARGET_RSS_MB, TARGET_BYTES = 250.0, 1200.0
+# The databases a long run can use, and their names in tables.
+LONG_DBS = {"sqlite": "SQLite", "postgresql": "PostgreSQL"}
 IDLE_WAIT_S = 6.0
 
 
@@ -64,7 +66,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     args.reps = args.reps or (1 if args.quick else 3)
     if args.long is None:
         args.long = 3000 if args.quick else 100_000
-    if unknown := set(args.long_dbs) - {"sqlite", "postgresql"}:
+    if unknown := set(args.long_dbs) - set(LONG_DBS):
         p.error(f"--long-dbs: unknown database {', '.join(sorted(unknown))}")
     if args.long and not 1 <= args.long_parts <= args.long:
         p.error("--long-parts must be between 1 and --long")

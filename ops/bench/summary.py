@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from ops.bench.memory import long_key
+from ops.bench.memory import LONG_DBS, long_key
 
 Row = tuple[str, str, str, str, str]
 
@@ -98,8 +98,7 @@ def _memory(r: Any) -> list[Row]:
              "<= 250", lambda v: v <= 250),
         _row("memory", "worker RSS MB after warm run, c=256", _med(r, "rss_c256", "end"),
              ".0f", "-", None),
-        *(row for kind, label in (("sqlite", "SQLite"), ("postgresql", "PostgreSQL"))
-          for row in _long(r, kind, label)),
+        *(row for kind, label in LONG_DBS.items() for row in _long(r, kind, label)),
         _row("memory", "Redis bytes per queued task",
              _med(r, "redis_bytes_per_task", "info_delta"), ",.0f", "<= 1,200",
              lambda v: v <= 1200),
