@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import select
+import time
 from typing import Any
 
 import sqlalchemy as sa
@@ -91,11 +92,34 @@ def pooled_engine(url: str, connections: int = DEFAULT_DB_CONNECTIONS, **pool: A
 _NO_ROOM = ("too many clients already", "too many connections for")
 
 
+def _answers(engine: Engine) -> bool:
+    try:
+        with engine.connect() as conn:
+            conn.exec_driver_sql("SELECT 1")
+        return True
+    except sa.exc.DBAPIError:
+        return False
+
+
+def _create_schema(engine: Engine, tries: int = 3) -> None:
+    """Create the tables missing. Processes starting at once on a new database race: each
+    looks, finds a table missing and creates it, and all but one fail with "already
+    exists" (SQLite) or a duplicate key in PostgreSQL's catalog; their next look finds it."""
+    for attempt in range(1, tries + 1):
+        try:
+            metadata.create_all(engine)
+            return
+        except sa.exc.DBAPIError:
+            if attempt == tries or not _answers(engine):
+                raise
+            time.sleep(0.05 * attempt)
+
+
 def make_engine(url: str, connections: int = DEFAULT_DB_CONNECTIONS) -> Engine:
     """An engine whose schema exists; ServiceUnavailable if the database does not answer."""
     engine = pooled_engine(url, connections)
     try:
-        metadata.create_all(engine)
+        _create_schema(engine)
     except OperationalError as exc:
         safe = engine.url.render_as_string(hide_password=True)
         if any(text in str(exc.orig) for text in _NO_ROOM):
