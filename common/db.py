@@ -12,6 +12,7 @@ from sqlalchemy.engine import Engine
 from sqlalchemy.exc import InterfaceError, OperationalError
 
 from common.errors import ServiceUnavailable
+from common.migrations import upgrade
 from common.schema import metadata
 from common.settings import DEFAULT_DB_CONNECTIONS
 
@@ -131,6 +132,7 @@ def make_engine(url: str, connections: int = DEFAULT_DB_CONNECTIONS) -> Engine:
         raise ServiceUnavailable(
             f"database {safe} does not answer: {exc.orig}; check DATAGEN_DATABASE_URL"
         ) from None
+    upgrade(engine)
     return engine
 
 

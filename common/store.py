@@ -15,7 +15,7 @@ from sqlalchemy.dialects import sqlite
 from common.budget import Budget
 from common.db import insert_ignore, make_engine
 from common.errors import UnknownDatasetError
-from common.schema import datasets, meta, prompts, results, utcnow
+from common.schema import INPUT_COLUMNS, datasets, meta, metadata, prompts, results, utcnow
 from common.settings import DEFAULT_DB_CONNECTIONS
 from common.tokenids import unpack
 
@@ -171,7 +171,7 @@ def _results_insert_text(dialect: sa.Dialect, columns: tuple[str, ...], n: int) 
 @functools.cache
 def _encoders(dialect: sa.Dialect, table: str, columns: tuple[str, ...]) -> tuple[Any, ...]:
     """Each column's SQLAlchemy bind processor (packing, JSON, SQLite timestamps) or None."""
-    t = results if table == "results" else prompts
+    t = metadata.tables[table]
     return tuple(t.c[c].type.dialect_impl(dialect).bind_processor(dialect) for c in columns)
 
 
@@ -197,18 +197,20 @@ def _insert_params(dialect: sa.Dialect, columns: tuple[str, ...],
 
 
 @functools.cache
-def _by_keys(dialect: sa.Dialect, n: int) -> str:
-    """A WHERE for n (dataset, sample_id) keys of prompts. Written as ORs: both databases
-    look each one up in the primary key that way, whereas SQLite scans the whole index for
-    a row-value IN."""
+def _by_keys(dialect: sa.Dialect, n: int, table: str = "") -> str:
+    """A WHERE for n (dataset, sample_id) keys of prompts (``table``: a qualifier such as
+    ``p.``). Written as ORs: both databases look each one up in the primary key that way,
+    whereas SQLite scans the whole index for a row-value IN."""
     ph = _placeholder(dialect)
-    return " OR ".join([f"(dataset = {ph} AND sample_id = {ph})"] * n)
+    return " OR ".join([f"({table}dataset = {ph} AND {table}sample_id = {ph})"] * n)
 
 
 @functools.cache
 def _prompts_select_sql(dialect: sa.Dialect, n: int) -> str:
-    return _numbered(dialect, "SELECT dataset, sample_id, state, input_ids, prompt_tokens, "
-                     f"max_new_tokens, attempts FROM prompts WHERE {_by_keys(dialect, n)}")
+    return _numbered(dialect, "SELECT p.dataset, p.sample_id, p.state, i.input_ids, "
+                     "p.prompt_tokens, p.max_new_tokens, p.attempts FROM prompts p "
+                     "JOIN prompt_inputs i ON i.dataset = p.dataset AND i.sample_id = p.sample_id "
+                     f"WHERE {_by_keys(dialect, n, 'p.')}")
 
 
 @functools.cache
@@ -241,18 +243,19 @@ def _settle_sql(dialect: sa.Dialect, inserts: tuple[tuple[tuple[str, ...], int],
 
 @functools.lru_cache(maxsize=32)  # keyed by engine dialect: one entry per Store in practice
 def _prompt_insert(
-    dialect: sa.Dialect, keys: tuple[str, ...]
+    dialect: sa.Dialect, table: str, keys: tuple[str, ...]
 ) -> tuple[str, Callable[[Sequence[dict[str, Any]]], list[tuple[Any, ...]]]] | None:
-    """SQLite's prompts INSERT for rows with these keys, compiled once, and a function
-    turning rows into driver parameters (timestamps not given are the chunk's ``now``);
-    None if SQLAlchemy compiles it in a shape this does not expect."""
-    stamps = tuple(k for k in ("created_at", "updated_at") if k not in keys)
-    compiled = sqlite.insert(prompts).on_conflict_do_nothing().compile(
+    """SQLite's INSERT into prompts or prompt_inputs for rows with these keys, compiled
+    once, and a function turning rows into driver parameters (timestamps not given are the
+    chunk's ``now``); None if SQLAlchemy compiles it in a shape this does not expect."""
+    columns = metadata.tables[table].c
+    stamps = tuple(k for k in ("created_at", "updated_at") if k in columns and k not in keys)
+    compiled = sqlite.insert(metadata.tables[table]).on_conflict_do_nothing().compile(
         dialect=dialect, column_keys=[*keys, *stamps]
     )
     if list(compiled.positiontup or []) != [*keys, *stamps]:
         return None
-    encoders = _encoders(dialect, "prompts", keys)
+    encoders = _encoders(dialect, table, keys)
     (stamp,) = _encoders(dialect, "prompts", ("created_at",))
 
     def params(rows: Sequence[dict[str, Any]]) -> list[tuple[Any, ...]]:
@@ -376,21 +379,26 @@ class Store:
             return {sid: state for sid, state in conn.execute(q)}
 
     def insert_prompts(self, rows: Sequence[dict[str, Any]]) -> None:
-        """Store new prompts in one transaction; a prompt stored before is left as it is."""
+        """Store new prompts in one transaction, each row with its ``messages`` and
+        ``input_ids``; a prompt stored before is left as it is."""
         if not rows:
             return
-        # SQLAlchemy's per-row parameter handling costs the producer more than SQLite's
-        # insert itself; the same statement and the same column encoders, applied here in
-        # one pass, store exactly the same values.
-        fast = None
-        if self.engine.dialect.name == "sqlite":
-            fast = _prompt_insert(self.engine.dialect, tuple(rows[0]))
+        split = {"prompts": tuple(k for k in rows[0] if k not in INPUT_COLUMNS),
+                 "prompt_inputs": ("dataset", "sample_id", *INPUT_COLUMNS)}
         with self.engine.begin() as conn:
-            if fast is None:
-                conn.execute(insert_ignore(self.engine, prompts), list(rows))
-            else:
-                sql, params = fast
-                conn.exec_driver_sql(sql, params(rows))
+            for table, keys in split.items():
+                # SQLAlchemy's per-row parameter handling costs the producer more than
+                # SQLite's insert itself; the same statement and the same column encoders,
+                # applied here in one pass, store exactly the same values.
+                fast = None
+                if self.engine.dialect.name == "sqlite":
+                    fast = _prompt_insert(self.engine.dialect, table, keys)
+                if fast is None:
+                    conn.execute(insert_ignore(self.engine, metadata.tables[table]),
+                                 [{k: row[k] for k in keys} for row in rows])
+                else:
+                    sql, params = fast
+                    conn.exec_driver_sql(sql, params(rows))
 
     def set_prompt_states(self, dataset: str, sample_ids: Iterable[str], state: str) -> None:
         ids = list(sample_ids)

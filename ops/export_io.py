@@ -48,7 +48,7 @@ def parquet_schema() -> pa.Schema:
         pa.field("server", pa.string(), nullable=False),
         pa.field("model", pa.string(), nullable=False),
         pa.field("created_at", pa.timestamp("us", tz="UTC"), nullable=False),
-        pa.field("input_ids", ids),  # joined from prompts; null if the prompt row is gone
+        pa.field("input_ids", ids),  # joined from prompt_inputs; null if the row is gone
     ])
 
 

@@ -15,7 +15,7 @@ from typing import Any
 
 import sqlalchemy as sa
 
-from common.schema import prompts, results
+from common.schema import prompt_inputs, prompts, results
 from common.store import Store, as_utc
 
 BATCH_ROWS = 1000
@@ -52,14 +52,18 @@ RESULT_COLUMNS: tuple[str, ...] = tuple(c.name for c in results.columns)
 
 
 def _select() -> sa.Select[Any]:
-    # A LEFT JOIN: a result whose prompt row is missing must still be seen and accounted.
+    # LEFT JOINs: a result whose prompt rows are missing must still be seen and accounted.
     return sa.select(
         results,
-        prompts.c.messages,
-        prompts.c.input_ids,
+        prompt_inputs.c.messages,
+        prompt_inputs.c.input_ids,
         prompts.c.max_new_tokens,
     ).select_from(
         results.outerjoin(
+            prompt_inputs,
+            sa.and_(prompt_inputs.c.dataset == results.c.dataset,
+                    prompt_inputs.c.sample_id == results.c.sample_id),
+        ).outerjoin(
             prompts,
             sa.and_(prompts.c.dataset == results.c.dataset,
                     prompts.c.sample_id == results.c.sample_id),

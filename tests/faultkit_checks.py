@@ -19,7 +19,7 @@ from typing import Any
 import sqlalchemy as sa
 
 from common.ledger import Ledger
-from common.schema import prompts, results
+from common.schema import prompt_inputs, results
 from common.store import Store
 from ops.sim.reqlog import input_sha1
 from tests.faultkit import sim_log
@@ -80,8 +80,8 @@ def requests_per_sample(
     store: Store, datasets: Sequence[str], entries: Iterable[dict[str, Any]]
 ) -> dict[SampleKey, list[dict[str, Any]]]:
     """The server's log entries of each sample (matched by the sha1 of its input ids)."""
-    q = sa.select(prompts.c.dataset, prompts.c.sample_id, prompts.c.input_ids).where(
-        prompts.c.dataset.in_(list(datasets)))
+    q = sa.select(prompt_inputs.c.dataset, prompt_inputs.c.sample_id,
+                  prompt_inputs.c.input_ids).where(prompt_inputs.c.dataset.in_(list(datasets)))
     with store.engine.connect() as conn:
         by_sha = {input_sha1(list(ids)): (ds, sid) for ds, sid, ids in conn.execute(q)}
     out: dict[SampleKey, list[dict[str, Any]]] = {}

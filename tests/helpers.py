@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import json
+import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import redis
 import sqlalchemy as sa
@@ -30,6 +31,34 @@ from workers.app import create_app
 from workers.context import WorkerContext
 
 SETTLED = ("done", "failed", "skipped")
+
+
+T = TypeVar("T")
+
+
+def all_at_once(make: Callable[[], T], n: int) -> list[T]:
+    """What ``make`` returns in each of n threads started together, as n processes starting
+    at once would call it; the first failure, if any, is raised."""
+    made: list[T] = []
+    failures: list[BaseException] = []
+    start = threading.Barrier(n)
+
+    def one() -> None:
+        start.wait()
+        try:
+            made.append(make())
+        except BaseException as exc:  # raised below, in the test's thread
+            failures.append(exc)
+
+    threads = [threading.Thread(target=one) for _ in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    if failures:
+        raise failures[0]
+    assert len(made) == n, "a thread did not finish"
+    return made
 
 
 def write_dataset(folder: Path, name: str, n: int, start: int = 0) -> Path:

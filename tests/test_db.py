@@ -21,6 +21,7 @@ from common.schema import metadata
 from common.settings import Settings
 from common.store import Store
 from tests.conftest import POSTGRES_URL
+from tests.helpers import all_at_once
 
 
 def backend_pid(engine: sa.Engine) -> int:
@@ -163,23 +164,7 @@ def test_a_server_with_no_connection_left_says_what_to_change() -> None:
 
 
 def test_processes_starting_at_once_on_a_new_database_all_get_its_schema(db_url: str) -> None:
-    engines: list[sa.Engine] = []
-    failures: list[BaseException] = []
-    start = threading.Barrier(8)
-
-    def open_engine() -> None:
-        start.wait()
-        try:
-            engines.append(make_engine(db_url))
-        except BaseException as exc:  # reported below
-            failures.append(exc)
-
-    threads = [threading.Thread(target=open_engine) for _ in range(8)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(120)
-    assert not failures and len(engines) == 8
+    engines = all_at_once(lambda: make_engine(db_url), 8)
     assert set(metadata.tables) <= set(sa.inspect(engines[0]).get_table_names())
     for engine in engines:
         engine.dispose()

@@ -21,7 +21,7 @@ from common.errors import InputError
 from common.keys import dataset_keys, queue_name
 from common.ledger import Ledger
 from common.names import validate_dataset_name
-from common.schema import prompts, results
+from common.schema import prompt_inputs, results
 from common.settings import Settings
 from common.store import Store
 from ops.cli import main
@@ -92,7 +92,8 @@ def test_quotes_and_sql_in_ids_and_content_round_trip_intact(
     with running_worker(settings, concurrency=2):
         wait_settled(store, ["inj"])
     with store.engine.connect() as conn:
-        stored = conn.execute(sa.select(prompts.c.sample_id, prompts.c.messages)).one()
+        stored = conn.execute(sa.select(prompt_inputs.c.sample_id,
+                                        prompt_inputs.c.messages)).one()
         kept = conn.scalars(sa.select(results.c.sample_id)).all()
     assert stored.sample_id == sample_id and stored.messages == line["messages"]
     assert kept == [sample_id]

@@ -8,7 +8,7 @@ from typing import Any
 import sqlalchemy as sa
 
 from common.db import insert_ignore
-from common.schema import prompts
+from common.schema import prompt_inputs, prompts
 from common.store import Store
 
 
@@ -28,10 +28,13 @@ def _rows(n: int, state: str = "queued") -> list[dict[str, Any]]:
 
 
 def _raw(store: Store) -> list[tuple[Any, ...]]:
-    cols = [c.name for c in prompts.c if c.name not in ("created_at", "updated_at")]
-    with store.engine.connect() as conn:
-        return list(conn.exec_driver_sql(
-            f"SELECT {', '.join(cols)} FROM prompts ORDER BY sample_id"))
+    tables = []
+    for table in (prompts, prompt_inputs):
+        cols = [c.name for c in table.c if c.name not in ("created_at", "updated_at")]
+        with store.engine.connect() as conn:
+            tables.append(list(conn.exec_driver_sql(
+                f"SELECT {', '.join(cols)} FROM {table.name} ORDER BY sample_id")))
+    return tables
 
 
 def test_sqlite_rows_equal_sqlalchemys_byte_for_byte(tmp_path: Path) -> None:
@@ -40,8 +43,12 @@ def test_sqlite_rows_equal_sqlalchemys_byte_for_byte(tmp_path: Path) -> None:
     rows = _rows(50)
     ours.insert_prompts(rows)
     with reference.engine.begin() as conn:
-        conn.execute(insert_ignore(reference.engine, prompts), rows)
-    assert _raw(ours) == _raw(reference)
+        for table in (prompts, prompt_inputs):
+            conn.execute(insert_ignore(reference.engine, table),
+                         [{c.name: row[c.name] for c in table.c if c.name in row} for row in rows])
+    states, inputs = _raw(ours)
+    assert (states, inputs) == tuple(_raw(reference))
+    assert len(states) == len(inputs) == 50
     with ours.engine.connect() as conn:
         stamps = conn.execute(sa.select(prompts.c.created_at, prompts.c.updated_at)).all()
     assert all(created is not None and created == updated for created, updated in stamps)
@@ -60,7 +67,8 @@ def test_prompts_read_back_and_a_second_insert_changes_nothing(db_url: str) -> N
         assert (got.input_ids, got.prompt_tokens, got.max_new_tokens, got.attempts) == (
             row["input_ids"], row["prompt_tokens"], row["max_new_tokens"], 0)
     with store.engine.connect() as conn:
-        stored = dict(conn.execute(sa.select(prompts.c.sample_id, prompts.c.messages)).all())
+        stored = dict(conn.execute(sa.select(prompt_inputs.c.sample_id,
+                                             prompt_inputs.c.messages)).all())
     assert stored == {row["sample_id"]: row["messages"] for row in rows}
 
 

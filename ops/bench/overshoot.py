@@ -22,7 +22,7 @@ import sqlalchemy as sa
 
 from common.budget import Budget
 from common.ledger import Ledger
-from common.schema import prompts, results
+from common.schema import prompt_inputs, results
 from common.store import Store
 from ops.bench.harness import (
     WORKDIR,
@@ -86,7 +86,8 @@ def measure(store: Store, ledger: Ledger, name: str, budget: int,
             sa.func.count(), sa.func.coalesce(sa.func.sum(results.c.completion_tokens), 0),
             sa.func.coalesce(sa.func.max(results.c.completion_tokens), 0),
         ).where(results.c.dataset == name)).one()
-        ids = conn.execute(sa.select(prompts.c.input_ids).where(prompts.c.dataset == name))
+        ids = conn.execute(sa.select(prompt_inputs.c.input_ids)
+                           .where(prompt_inputs.c.dataset == name))
         mine = {input_sha1(list(r[0])) for r in ids}
     state = ledger.state(name)
     entries = [e for e in log if e.get("input_sha1") in mine]

@@ -1,0 +1,130 @@
+"""A database written before prompt_inputs existed: every process upgrades it on first
+use, once, keeping every prompt, on SQLite and PostgreSQL."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import sqlalchemy as sa
+
+import common.migrations
+from common.db import pooled_engine
+from common.errors import DatagenError
+from common.schema import datasets, meta, prompts, results, utcnow
+from common.store import Store
+from common.tokenids import TokenIds
+from ops.export_rows import _select
+from tests.helpers import all_at_once
+
+# prompts as earlier versions created it: the messages and token ids in the row.
+_OLD = sa.MetaData()
+_OLD_PROMPTS = sa.Table(
+    "prompts", _OLD,
+    sa.Column("dataset", sa.String(100), primary_key=True),
+    sa.Column("sample_id", sa.String(200), primary_key=True),
+    sa.Column("state", sa.String(16), nullable=False),
+    sa.Column("messages", sa.JSON, nullable=False),
+    sa.Column("input_ids", TokenIds, nullable=False),
+    sa.Column("prompt_tokens", sa.Integer, nullable=False),
+    sa.Column("max_new_tokens", sa.Integer, nullable=False),
+    sa.Column("source", sa.String(600)),
+    sa.Column("attempts", sa.Integer, nullable=False, server_default="0"),
+    sa.Column("error", sa.Text),
+    sa.Column("created_at", sa.DateTime(timezone=True), nullable=False, default=utcnow),
+    sa.Column("updated_at", sa.DateTime(timezone=True), nullable=False, default=utcnow),
+    sa.Index("ix_prompts_dataset_state", "dataset", "state"),
+)
+for _table in (meta, datasets, results):
+    _table.to_metadata(_OLD)
+
+N = 40
+
+
+def _old_rows() -> list[dict[str, Any]]:
+    return [{"dataset": "old", "sample_id": f"s{i}", "state": "done" if i % 4 == 0 else "queued",
+             "messages": [{"role": "user", "content": f"question {i} ✓"}],
+             "input_ids": [i, 7, 4_000_000_000][: 1 + i % 3], "prompt_tokens": 1 + i % 3,
+             "max_new_tokens": 100 + i, "source": f"/data/old.jsonl:{i + 1}",
+             "attempts": i % 2, "error": "timed out" if i % 2 else None} for i in range(N)]
+
+
+def _write_old_database(url: str) -> None:
+    engine = pooled_engine(url)
+    _OLD.create_all(engine)
+    with engine.begin() as conn:
+        conn.execute(_OLD_PROMPTS.insert(), _old_rows())
+        conn.execute(results.insert(), [{
+            "dataset": "old", "sample_id": "s0", "rid": "r0", "prompt_tokens": 1,
+            "completion_tokens": 2, "finish_reason": "stop", "output_ids": [5, 6],
+            "output_text": "ok", "server": "http://sglang", "model": "m"}])
+    engine.dispose()
+
+
+def _columns(store: Store, table: str) -> set[str]:
+    return {c["name"] for c in sa.inspect(store.engine).get_columns(table)}
+
+
+def test_an_old_database_is_upgraded_on_first_use_and_keeps_every_prompt(db_url: str) -> None:
+    _write_old_database(db_url)
+    store = Store(db_url)
+    assert _columns(store, "prompts") == {c.name for c in prompts.c}
+    assert {"messages", "input_ids"} <= _columns(store, "prompt_inputs")
+    got = store.prompts([("old", f"s{i}") for i in range(N)])
+    for row, prompt in zip(_old_rows(), got, strict=True):
+        assert prompt is not None
+        assert (prompt.state, prompt.input_ids, prompt.prompt_tokens, prompt.max_new_tokens,
+                prompt.attempts) == (row["state"], row["input_ids"], row["prompt_tokens"],
+                                     row["max_new_tokens"], row["attempts"])
+    with store.engine.connect() as conn:
+        errors = dict(conn.execute(sa.select(prompts.c.sample_id, prompts.c.error)).all())
+        exported = conn.execute(_select()).one()
+    assert errors == {row["sample_id"]: row["error"] for row in _old_rows()}
+    assert (exported.sample_id, exported.messages, exported.input_ids) == (
+        "s0", _old_rows()[0]["messages"], [0])
+    # The upgraded database takes new prompts and settles them like any other.
+    store.insert_prompts([{**_old_rows()[1], "sample_id": "new", "state": "queued"}])
+    assert store.save_results([_result("new")]) == {("old", "new")}
+    assert store.prompt_counts("old") == {"done": 11, "queued": 30}
+    # A second process finds nothing to do.
+    again = Store(db_url)
+    assert again.prompt("old", "s5") == store.prompt("old", "s5")
+
+
+def _result(sample_id: str) -> dict[str, Any]:
+    return {"dataset": "old", "sample_id": sample_id, "rid": f"r-{sample_id}",
+            "prompt_tokens": 2, "completion_tokens": 3, "finish_reason": "stop",
+            "output_ids": [1, 2, 3], "output_text": "abc", "server": "http://sglang",
+            "model": "m"}
+
+
+def test_processes_starting_at_once_upgrade_it_once(db_url: str) -> None:
+    _write_old_database(db_url)
+    stores = all_at_once(lambda: Store(db_url), 6)
+    with stores[0].engine.connect() as conn:
+        moved = conn.execute(sa.text("SELECT COUNT(*) FROM prompt_inputs")).scalar()
+    assert moved == N
+    assert all(s.prompt("old", "s3") is not None for s in stores)
+
+
+def test_an_upgrade_that_fails_leaves_the_old_layout_whole(
+    db_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    _write_old_database(db_url)
+    # The second column's drop fails after the copy and the first drop have run.
+    monkeypatch.setattr(common.migrations, "_DROPS",
+                        (common.migrations._DROPS[0], "ALTER TABLE prompts DROP COLUMN nowhere"))
+    with pytest.raises(DatagenError, match="nothing was changed"):
+        Store(db_url)
+    engine = pooled_engine(db_url)
+    try:
+        names = {c["name"] for c in sa.inspect(engine).get_columns("prompts")}
+        with engine.connect() as conn:
+            copied = conn.execute(sa.text("SELECT COUNT(*) FROM prompt_inputs")).scalar()
+            kept = conn.execute(sa.text("SELECT COUNT(*) FROM prompts")).scalar()
+    finally:
+        engine.dispose()
+    assert {"messages", "input_ids"} <= names
+    assert (copied, kept) == (0, N)
+    monkeypatch.undo()
+    assert Store(db_url).prompt("old", "s2") is not None
