@@ -10,7 +10,6 @@ from datetime import UTC, datetime
 from typing import Any
 
 import sqlalchemy as sa
-from sqlalchemy.dialects import sqlite
 
 from common.budget import Budget
 from common.db import insert_ignore, make_engine
@@ -244,17 +243,16 @@ def _settle_sql(dialect: sa.Dialect, inserts: tuple[tuple[tuple[str, ...], int],
 @functools.lru_cache(maxsize=32)  # keyed by engine dialect: one entry per Store in practice
 def _prompt_insert(
     dialect: sa.Dialect, table: str, keys: tuple[str, ...]
-) -> tuple[str, Callable[[Sequence[dict[str, Any]]], list[tuple[Any, ...]]]] | None:
-    """SQLite's INSERT into prompts or prompt_inputs for rows with these keys, compiled
-    once, and a function turning rows into driver parameters (timestamps not given are the
-    chunk's ``now``); None if SQLAlchemy compiles it in a shape this does not expect."""
+) -> tuple[str, Callable[[Sequence[dict[str, Any]]], list[tuple[Any, ...]]]]:
+    """The INSERT ... ON CONFLICT DO NOTHING into prompts or prompt_inputs of rows with
+    these keys, as the driver takes it, and a function turning rows into its parameters
+    (timestamps not given are the chunk's ``now``)."""
     columns = metadata.tables[table].c
     stamps = tuple(k for k in ("created_at", "updated_at") if k in columns and k not in keys)
-    compiled = sqlite.insert(metadata.tables[table]).on_conflict_do_nothing().compile(
-        dialect=dialect, column_keys=[*keys, *stamps]
-    )
-    if list(compiled.positiontup or []) != [*keys, *stamps]:
-        return None
+    names = [*keys, *stamps]
+    quote, ph = dialect.identifier_preparer.quote, _placeholder(dialect)
+    sql = (f"INSERT INTO {table} ({', '.join(quote(c) for c in names)}) "
+           f"VALUES ({', '.join([ph] * len(names))}) ON CONFLICT DO NOTHING")
     encoders = _encoders(dialect, table, keys)
     (stamp,) = _encoders(dialect, "prompts", ("created_at",))
 
@@ -264,7 +262,7 @@ def _prompt_insert(
         return [(*[row[k] if f is None else f(row[k]) for k, f in zip(keys, encoders, strict=True)],
                  *tail) for row in rows]
 
-    return str(compiled), params
+    return sql, params
 
 
 class Store:
@@ -387,18 +385,11 @@ class Store:
                  "prompt_inputs": ("dataset", "sample_id", *INPUT_COLUMNS)}
         with self.engine.begin() as conn:
             for table, keys in split.items():
-                # SQLAlchemy's per-row parameter handling costs the producer more than
-                # SQLite's insert itself; the same statement and the same column encoders,
-                # applied here in one pass, store exactly the same values.
-                fast = None
-                if self.engine.dialect.name == "sqlite":
-                    fast = _prompt_insert(self.engine.dialect, table, keys)
-                if fast is None:
-                    conn.execute(insert_ignore(self.engine, metadata.tables[table]),
-                                 [{k: row[k] for k in keys} for row in rows])
-                else:
-                    sql, params = fast
-                    conn.exec_driver_sql(sql, params(rows))
+                # SQLAlchemy's per-row parameter handling costs the producer more than the
+                # database's insert itself; the same column encoders, applied here in one
+                # pass, store exactly the same values.
+                sql, params = _prompt_insert(self.engine.dialect, table, keys)
+                conn.exec_driver_sql(sql, params(rows))
 
     def set_prompt_states(self, dataset: str, sample_ids: Iterable[str], state: str) -> None:
         ids = list(sample_ids)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 import sqlalchemy as sa
@@ -27,30 +26,34 @@ def _rows(n: int, state: str = "queued") -> list[dict[str, Any]]:
     } for i in range(n)]
 
 
-def _raw(store: Store) -> list[tuple[Any, ...]]:
+def _raw(store: Store, dataset: str) -> list[list[tuple[Any, ...]]]:
+    """Each table's rows of the dataset as stored (JSON as its text), less the dataset."""
     tables = []
     for table in (prompts, prompt_inputs):
-        cols = [c.name for c in table.c if c.name not in ("created_at", "updated_at")]
+        cols = [f"CAST({c.name} AS TEXT)" if c.name == "messages" else c.name
+                for c in table.c if c.name not in ("dataset", "created_at", "updated_at")]
         with store.engine.connect() as conn:
             tables.append(list(conn.exec_driver_sql(
-                f"SELECT {', '.join(cols)} FROM {table.name} ORDER BY sample_id")))
+                f"SELECT {', '.join(cols)} FROM {table.name} WHERE dataset = '{dataset}' "
+                "ORDER BY sample_id")))
     return tables
 
 
-def test_sqlite_rows_equal_sqlalchemys_byte_for_byte(tmp_path: Path) -> None:
-    ours = Store(f"sqlite:///{tmp_path / 'ours.db'}")
-    reference = Store(f"sqlite:///{tmp_path / 'reference.db'}")
+def test_rows_equal_sqlalchemys_byte_for_byte(db_url: str) -> None:
+    store = Store(db_url)
     rows = _rows(50)
-    ours.insert_prompts(rows)
-    with reference.engine.begin() as conn:
+    store.insert_prompts(rows)
+    with store.engine.begin() as conn:
         for table in (prompts, prompt_inputs):
-            conn.execute(insert_ignore(reference.engine, table),
-                         [{c.name: row[c.name] for c in table.c if c.name in row} for row in rows])
-    states, inputs = _raw(ours)
-    assert (states, inputs) == tuple(_raw(reference))
+            same = [{c.name: row[c.name] for c in table.c if c.name in row} for row in rows]
+            conn.execute(insert_ignore(store.engine, table),
+                         [row | {"dataset": "ref"} for row in same])
+    states, inputs = _raw(store, "st")
+    assert [states, inputs] == _raw(store, "ref")
     assert len(states) == len(inputs) == 50
-    with ours.engine.connect() as conn:
-        stamps = conn.execute(sa.select(prompts.c.created_at, prompts.c.updated_at)).all()
+    with store.engine.connect() as conn:
+        stamps = conn.execute(sa.select(prompts.c.created_at, prompts.c.updated_at)
+                              .where(prompts.c.dataset == "st")).all()
     assert all(created is not None and created == updated for created, updated in stamps)
 
 
