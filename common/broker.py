@@ -33,6 +33,7 @@ from __future__ import annotations
 import logging
 import ssl
 import time
+from collections.abc import Callable
 from queue import Empty
 from typing import Any, ClassVar
 
@@ -111,6 +112,9 @@ class Channel(kombu_redis.Channel):  # type: ignore[misc]
     _pending: str = "BRPOP"
     _delivered_last: bool = False
     _pop_failing: bool = False
+    # Called in the consumer's thread with each pop's messages, before they are delivered
+    # (the worker admits their samples there: workers/early.py).
+    before_delivery: Callable[[list[dict[str, Any]]], None] | None = None
 
     def _brpop_start(self, timeout: float | None = None) -> None:
         """Take what is queued, then leave kombu's loop one reply to wait for.
@@ -182,8 +186,13 @@ class Channel(kombu_redis.Channel):  # type: ignore[misc]
         if unreadable:
             log.error("%d queued messages could not be read; moved to the Redis list %s",
                       unreadable, UNREADABLE)
-        for key, raw in zip(popped[::2], popped[1::2], strict=True):
-            payload = loads(bytes_to_str(raw))
+        payloads = [loads(bytes_to_str(raw)) for raw in popped[1::2]]
+        if self.before_delivery is not None:
+            try:
+                self.before_delivery(payloads)
+            except Exception:  # its work is an optimisation: the messages go on without it
+                log.exception("the hook before delivery failed")
+        for key, payload in zip(popped[::2], payloads, strict=True):
             tag = payload["properties"]["delivery_tag"]
             queue = bytes_to_str(key).rsplit(self.sep, 1)[0]
             QoS.recorded.add(tag)

@@ -115,11 +115,23 @@ def _stop_heartbeat(sender: Any = None, **_: Any) -> None:
 def _report_groups(sender: Any = None, **_: Any) -> None:
     ctx = getattr(getattr(sender, "app", None), "datagen_context", None)
     if ctx is not None:
+        early = ctx.early
+        log.info("admissions at delivery: %d made, %d taken by their tasks, %d given back",
+                 early.made, early.taken, early.given_back)
         for step, group in (("admissions", ctx.admissions), ("settlements", ctx.settlements)):
             n = max(1, group.batches)
             log.info("shared steps: %d %s in %d groups; a group's leader: %.2f ms, "
                      "%.2f ms of CPU", group.items, step, group.batches,
                      1000 * group.serve_s / n, 1000 * group.serve_cpu_s / n)
+
+
+@signals.task_revoked.connect
+def _give_back_admission(sender: Any = None, request: Any = None, **_: Any) -> None:
+    # A revoked message's task never runs: the admission made at its delivery goes back.
+    app = getattr(sender, "app", None)
+    ctx = getattr(app, "datagen_context", None) if _ours(app) else None
+    if ctx is not None and request is not None:
+        ctx.early.drop((getattr(request, "properties", None) or {}).get("delivery_tag"))
 
 
 @signals.task_received.connect

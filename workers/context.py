@@ -19,6 +19,7 @@ from common.settings import Settings
 from common.sglang_client import SGLangClient
 from common.store import DatasetRow, Store
 from workers import steps
+from workers.early import EarlyAdmissions
 from workers.grouping import LINGER_S, MAX_GROUP, GroupCall
 from workers.inflight import LiveRids
 from workers.results import ResultWriter
@@ -41,6 +42,7 @@ class WorkerContext:
     results: ResultWriter = field(init=False)
     admissions: GroupCall[steps.AdmitItem, steps.Admitted] = field(init=False)
     settlements: GroupCall[steps.SettleItem, steps.Settled] = field(init=False)
+    early: EarlyAdmissions = field(init=False)
     live_rids: LiveRids = field(default_factory=LiveRids)
     _datasets: dict[str, tuple[float, DatasetRow]] = field(default_factory=dict)
     _decoders: dict[str, Decoder | None] = field(default_factory=dict)
@@ -61,6 +63,7 @@ class WorkerContext:
                                     max_group=most, linger_s=LINGER_S, enough=enough)
         self.settlements = GroupCall(lambda items: steps.settle_group(self, items),
                                      max_group=most, linger_s=LINGER_S, enough=enough)
+        self.early = EarlyAdmissions(self)
 
     @classmethod
     def build(cls, settings: Settings, app: Celery | None = None) -> WorkerContext:

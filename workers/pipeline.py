@@ -50,15 +50,21 @@ def sampling_params(ds: DatasetRow, prompt: PromptRow) -> dict[str, Any]:
 
 def run_sample(ctx: WorkerContext, dataset: str, sample_id: str,
                delivery_tag: str | None = None) -> Outcome:
-    """Run one sample. ``delivery_tag``: its message, which the charge's group may ack."""
-    # The server is chosen before the rid, which names it for the aborts of a close.
-    server = ctx.client.pick_server()
-    rid = new_rid(dataset, server)
-    # Claimed before ADMIT (which comes with the prompt read), so the reaper never frees a
-    # reservation this process holds.
-    ctx.live_rids.add(rid)
+    """Run one sample. ``delivery_tag``: its message, which the charge's group may ack,
+    and under which the consumer may have admitted it already (workers/early.py)."""
+    early = ctx.early.take(delivery_tag, dataset, sample_id)
+    if early is not None:
+        server, rid = early.server, early.rid
+    else:
+        # The server is chosen before the rid, which names it for the aborts of a close.
+        server = ctx.client.pick_server()
+        rid = new_rid(dataset, server)
+        # Claimed before ADMIT (which comes with the prompt read), so the reaper never
+        # frees a reservation this process holds.
+        ctx.live_rids.add(rid)
     try:
-        prompt, admission = ctx.admissions((dataset, sample_id, rid))
+        prompt, admission = (early.admitted if early is not None
+                             else ctx.admissions((dataset, sample_id, rid)))
         if prompt is None:
             log.warning("no stored prompt for %s/%s; dropping the message", dataset, sample_id)
             return Outcome.MISSING

@@ -1,0 +1,197 @@
+"""Admission at delivery: the consumer reads the prompts and asks ADMIT for a whole pop.
+
+A task's path had two group waits, one before its request (the prompt read and ADMIT) and
+one after it (the charge and the store). Each wait costs a task a thread hand-off and a
+turn at the GIL in a process of many threads, and at full rate those waits, more than
+the statements, held the worker below a bare task making the same request
+(docs/PERFORMANCE_EXPERIMENTS.md, twelfth and twentieth rounds). The consumer thread
+takes up to 16 messages a pop (common/broker.py); here it reads their prompts with one
+SELECT and admits them with one ADMIT script before it hands them to the pool, and each
+task finds its prompt and its admission waiting under its message's delivery tag.
+
+With one message prefetched per thread (``worker_prefetch_multiplier`` 1) a message is
+popped only when a thread is free for it, so its task starts at once and the admission
+is as fresh as the task's own would be. A message whose task does not run here after all
+(revoked, or put back by a consumer restart) leaves a reservation behind: a revoke gives
+it back at once (``drop``), and anything not taken within ``TTL_S`` is given back by the
+next pop (``expire``). Whatever goes wrong here (a database or Redis away, a message in
+an unexpected form) leaves the message to the task's own admission.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import logging
+import threading
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import redis
+
+from common.celery_app import GENERATE_TASK
+from common.rids import new_rid
+from workers import steps
+
+if TYPE_CHECKING:
+    from workers.context import WorkerContext
+
+log = logging.getLogger(__name__)
+# A message's task starts within milliseconds of its pop; an admission not taken for this
+# long belongs to a message that will not run here.
+TTL_S = 60.0
+# After a failed admission at delivery, tasks admit themselves for this long: a database
+# or Redis away must not hold up the consumer at every pop.
+PAUSE_S = 5.0
+
+
+@dataclass(frozen=True)
+class Early:
+    """A message's prompt and admission, made at its delivery."""
+
+    dataset: str
+    sample_id: str
+    server: str
+    rid: str
+    admitted: steps.Admitted
+    at: float  # time.monotonic() of the admission
+
+
+def sample_of(payload: dict[str, Any]) -> tuple[str, str, str] | None:
+    """(delivery tag, dataset, sample_id) of a generate message due now; None for any
+    other message (another task, one with an ETA or an expiry, an unexpected encoding)."""
+    try:
+        headers, props = payload["headers"], payload["properties"]
+        if (headers.get("task") != GENERATE_TASK or headers.get("eta")
+                or headers.get("expires") or payload.get("content-type") != "application/json"
+                or props.get("body_encoding") != "base64"):
+            return None
+        args, kwargs, _embed = json.loads(base64.b64decode(payload["body"]))
+        if args:
+            return None
+        dataset, sample_id = kwargs["dataset"], kwargs["sample_id"]
+        tag = props["delivery_tag"]
+    except (KeyError, TypeError, ValueError, AttributeError):
+        return None
+    if not all(isinstance(v, str) for v in (tag, dataset, sample_id)):
+        return None
+    return tag, dataset, sample_id
+
+
+class EarlyAdmissions:
+    """The admissions made at delivery, by delivery tag, until their tasks take them."""
+
+    def __init__(self, ctx: WorkerContext, ttl_s: float = TTL_S,
+                 pause_s: float = PAUSE_S) -> None:
+        self.ctx = ctx
+        self.ttl_s = ttl_s
+        self.pause_s = pause_s
+        self.made = self.taken = self.given_back = 0
+        self._waiting: dict[str, Early] = {}
+        self._lock = threading.Lock()
+        self._paused_until = 0.0
+
+    def __len__(self) -> int:
+        return len(self._waiting)
+
+    def on_delivery(self, payloads: list[dict[str, Any]], now: float | None = None) -> None:
+        """Read and admit the samples of a pop's messages (the consumer's thread)."""
+        now = time.monotonic() if now is None else now
+        self.expire(now)
+        if now < self._paused_until:
+            return
+        found = [s for s in map(sample_of, payloads) if s is not None]
+        if not found:
+            return
+        ctx = self.ctx
+        picked = []
+        for tag, dataset, sample_id in found:
+            server = ctx.client.pick_server()
+            rid = new_rid(dataset, server)
+            ctx.live_rids.add(rid)  # claimed before ADMIT, as in the task's own path
+            picked.append((tag, dataset, sample_id, server, rid))
+        try:
+            admitted = steps.admit_group(ctx, [(d, s, rid) for _, d, s, _, rid in picked])
+        except Exception as exc:
+            # ADMIT may have run with its reply lost: free what it may have reserved, as a
+            # task does after a failed step. Each task then admits itself.
+            self._release_quietly([(d, rid) for _, d, _, _, rid in picked])
+            self._paused_until = now + self.pause_s
+            log.warning("admission at delivery failed (%s: %s); tasks admit themselves "
+                        "for %.0fs", type(exc).__name__, exc, self.pause_s)
+            return
+        replaced = []
+        with self._lock:
+            for (tag, dataset, sample_id, server, rid), answer in zip(picked, admitted,
+                                                                      strict=True):
+                # A message put back (a consumer restart) comes again with its tag: the
+                # admission of its first delivery was never taken.
+                old = self._waiting.pop(tag, None)
+                if old is not None:
+                    replaced.append(old)
+                self._waiting[tag] = Early(dataset, sample_id, server, rid, answer, now)
+            self.made += len(picked)
+        for old in replaced:
+            self._give_back(old)
+
+    def take(self, tag: str | None, dataset: str, sample_id: str) -> Early | None:
+        """The admission made for this message at its delivery, now the task's to settle
+        (its rid stays claimed until the task discards it); None if there is none."""
+        if tag is None:
+            return None
+        with self._lock:
+            early = self._waiting.pop(tag, None)
+            if early is not None:
+                self.taken += 1
+        if early is not None and (early.dataset, early.sample_id) != (dataset, sample_id):
+            self._give_back(early)  # never expected: a tag names one message
+            return None
+        return early
+
+    def drop(self, tag: str | None) -> None:
+        """Give back the admission of a message whose task will not run (revoked)."""
+        if tag is None:
+            return
+        with self._lock:
+            early = self._waiting.pop(tag, None)
+        if early is not None:
+            self._give_back(early)
+
+    def expire(self, now: float | None = None) -> int:
+        """Give back the admissions not taken within the TTL; returns how many."""
+        now = time.monotonic() if now is None else now
+        with self._lock:
+            oldest = next(iter(self._waiting.values()), None)  # entries come in time order
+            if oldest is None or now - oldest.at <= self.ttl_s:
+                return 0
+            stale = [tag for tag, e in self._waiting.items() if now - e.at > self.ttl_s]
+            old = [self._waiting.pop(tag) for tag in stale]
+        for early in old:
+            self._give_back(early)
+        return len(old)
+
+    def _release_quietly(self, reserved: list[tuple[str, str]]) -> None:
+        """Release these (dataset, rid) reservations and their claims. With Redis away,
+        the rest is left unclaimed for the reaper, without a wait for each."""
+        try:
+            for dataset, rid in reserved:
+                self.ctx.ledger.release(dataset, rid)
+        except redis.RedisError:
+            pass
+        finally:
+            for _, rid in reserved:
+                self.ctx.live_rids.discard(rid)
+
+    def _give_back(self, early: Early) -> None:
+        try:
+            if early.admitted[1] is not None:
+                self.ctx.ledger.release(early.dataset, early.rid)
+        except redis.RedisError as exc:
+            # Left unclaimed, the reservation is freed by the reaper.
+            log.warning("could not give back %s's reservation %s: %s",
+                        early.dataset, early.rid, exc)
+        finally:
+            self.ctx.live_rids.discard(early.rid)
+            with self._lock:
+                self.given_back += 1
