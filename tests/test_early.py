@@ -101,6 +101,21 @@ def test_a_message_delivered_again_keeps_one_admission(
     assert len(ctx.live_rids.snapshot()) == 2
 
 
+def test_no_more_are_admitted_than_there_are_threads_free(
+    settings: Settings, ledger: Ledger, redis_client: redis.Redis, tmp_path: Path
+) -> None:
+    ctx = context_for(settings.replace(concurrency=4), tmp_path, "room", 3)
+    ctx.live_rids.add("a-running-task")
+    ctx.live_rids.add("another")
+    early = EarlyAdmissions(ctx)
+    payloads = queued_payloads(redis_client, "room")
+    early.on_delivery(payloads)
+    assert (early.made, len(early)) == (2, 2)  # the third admits itself when it runs
+    assert len(ctx.live_rids) == 4
+    early.on_delivery(queued_payloads(redis_client, "room"))  # no thread free now
+    assert early.made == 2
+
+
 def test_a_message_under_another_sample_is_not_taken(
     settings: Settings, ledger: Ledger, redis_client: redis.Redis, tmp_path: Path
 ) -> None:
@@ -149,8 +164,11 @@ def test_a_revoked_message_gives_its_admission_back(
     context_for(settings, tmp_path, "revoked", 1)
     redis_client.delete(queue_name("revoked"))  # the sample's own message is gone
     with running_worker(settings, concurrency=4) as app:
-        replies = app.control.revoke("revoked-task", reply=True, timeout=5)
-        assert replies, "the worker did not answer the revoke"
+        # Broadcast: a worker that has only just started may not listen yet, so ask
+        # until it answers.
+        deadline = time.monotonic() + 30
+        while not app.control.revoke("revoked-task", reply=True, timeout=1):
+            assert time.monotonic() < deadline, "the worker did not answer the revoke"
         # The sample's message again, under the revoked task id.
         make_celery(settings).send_task(GENERATE_TASK, task_id="revoked-task",
                                         kwargs={"dataset": "revoked", "sample_id": "revoked-0"},

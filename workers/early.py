@@ -11,11 +11,13 @@ task finds its prompt and its admission waiting under its message's delivery tag
 
 With one message prefetched per thread (``worker_prefetch_multiplier`` 1) a message is
 popped only when a thread is free for it, so its task starts at once and the admission
-is as fresh as the task's own would be. A message whose task does not run here after all
-(revoked, or put back by a consumer restart) leaves a reservation behind: a revoke gives
-it back at once (``drop``), and anything not taken within ``TTL_S`` is given back by the
-next pop (``expire``). Whatever goes wrong here (a database or Redis away, a message in
-an unexpected form) leaves the message to the task's own admission.
+is as fresh as the task's own would be; no more are admitted here than there are threads
+free (every rid claimed is a thread busy, or about to be). A message whose task does not
+run here after all (revoked, or put back by a consumer restart) leaves a reservation
+behind: a revoke gives it back at once (``drop``), and anything not taken within
+``TTL_S`` is given back by the next pop (``expire``). Whatever goes wrong here (a
+database or Redis away, a message in an unexpected form) leaves the message to the
+task's own admission.
 """
 
 from __future__ import annotations
@@ -101,10 +103,15 @@ class EarlyAdmissions:
         self.expire(now)
         if now < self._paused_until:
             return
-        found = [s for s in map(sample_of, payloads) if s is not None]
+        ctx = self.ctx
+        # Only as many as there are threads free to run them at once. Celery widens the
+        # prefetch by one for each retry it holds until its ETA, and a message popped
+        # into that room may wait for a thread for as long as a request takes, its
+        # reservation holding admission short meanwhile; such a message admits itself.
+        free = ctx.settings.concurrency - len(ctx.live_rids)
+        found = [s for s in map(sample_of, payloads) if s is not None][:max(0, free)]
         if not found:
             return
-        ctx = self.ctx
         picked = []
         for tag, dataset, sample_id in found:
             server = ctx.client.pick_server()

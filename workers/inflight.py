@@ -28,6 +28,9 @@ class LiveRids:
         with self._lock:
             self._rids.discard(rid)
 
+    def __len__(self) -> int:
+        return len(self._rids)
+
     def snapshot(self) -> list[str]:
         with self._lock:
             return list(self._rids)
