@@ -20,6 +20,7 @@ from common.errors import StoreMismatch
 from common.reconcile import reconcile_all
 from common.settings import Settings
 from workers.context import get_context
+from workers.early import AdmitOnDelivery
 from workers.liveness import Heartbeat, Received
 from workers.queues import DatasetQueues
 from workers.tasks import register_tasks
@@ -34,6 +35,7 @@ def create_app(settings: Settings) -> Celery:
     app.datagen_received = Received()  # type: ignore[attr-defined]
     register_tasks(app, settings)
     app.steps["consumer"].add(DatasetQueues)
+    app.steps["consumer"].add(AdmitOnDelivery)
     return app
 
 

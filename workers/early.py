@@ -23,6 +23,7 @@ task's own admission.
 from __future__ import annotations
 
 import base64
+import itertools
 import json
 import logging
 import threading
@@ -31,7 +32,9 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import redis
+from celery import bootsteps
 
+from common.broker import Channel
 from common.celery_app import GENERATE_TASK
 from common.rids import new_rid
 from workers import steps
@@ -123,12 +126,12 @@ class EarlyAdmissions:
         except Exception as exc:
             # ADMIT may have run with its reply lost: free what it may have reserved, as a
             # task does after a failed step. Each task then admits itself.
-            self._release_quietly([(d, rid) for _, d, _, _, rid in picked])
+            self._release([(d, rid) for _, d, _, _, rid in picked])
             self._paused_until = now + self.pause_s
             log.warning("admission at delivery failed (%s: %s); tasks admit themselves "
                         "for %.0fs", type(exc).__name__, exc, self.pause_s)
             return
-        replaced = []
+        replaced: list[Early] = []
         with self._lock:
             for (tag, dataset, sample_id, server, rid), answer in zip(picked, admitted,
                                                                       strict=True):
@@ -139,8 +142,7 @@ class EarlyAdmissions:
                     replaced.append(old)
                 self._waiting[tag] = Early(dataset, sample_id, server, rid, answer, now)
             self.made += len(picked)
-        for old in replaced:
-            self._give_back(old)
+        self._give_back(replaced)
 
     def take(self, tag: str | None, dataset: str, sample_id: str) -> Early | None:
         """The admission made for this message at its delivery, now the task's to settle
@@ -152,7 +154,7 @@ class EarlyAdmissions:
             if early is not None:
                 self.taken += 1
         if early is not None and (early.dataset, early.sample_id) != (dataset, sample_id):
-            self._give_back(early)  # never expected: a tag names one message
+            self._give_back([early])  # never expected: a tag names one message
             return None
         return early
 
@@ -163,42 +165,52 @@ class EarlyAdmissions:
         with self._lock:
             early = self._waiting.pop(tag, None)
         if early is not None:
-            self._give_back(early)
+            self._give_back([early])
 
     def expire(self, now: float | None = None) -> int:
         """Give back the admissions not taken within the TTL; returns how many."""
         now = time.monotonic() if now is None else now
         with self._lock:
-            oldest = next(iter(self._waiting.values()), None)  # entries come in time order
-            if oldest is None or now - oldest.at <= self.ttl_s:
-                return 0
-            stale = [tag for tag, e in self._waiting.items() if now - e.at > self.ttl_s]
+            # Entries are kept in the order they were made, so the stale ones come first.
+            stale = [tag for tag, _ in itertools.takewhile(
+                lambda item: now - item[1].at > self.ttl_s, self._waiting.items())]
             old = [self._waiting.pop(tag) for tag in stale]
-        for early in old:
-            self._give_back(early)
+        self._give_back(old)
         return len(old)
 
-    def _release_quietly(self, reserved: list[tuple[str, str]]) -> None:
-        """Release these (dataset, rid) reservations and their claims. With Redis away,
-        the rest is left unclaimed for the reaper, without a wait for each."""
+    def _give_back(self, entries: list[Early]) -> None:
+        if not entries:
+            return
+        with self._lock:
+            self.given_back += len(entries)
+        # Only an admitted sample holds a reservation; every entry holds its rid's claim.
+        self._release([(e.dataset, e.rid) for e in entries if e.admitted[1] is not None])
+        for e in entries:
+            self.ctx.live_rids.discard(e.rid)
+
+    def _release(self, reserved: list[tuple[str, str]]) -> None:
+        """Release these (dataset, rid) reservations and drop their claims. With Redis
+        away the rest is left unclaimed, for the reaper, without a wait for each."""
         try:
             for dataset, rid in reserved:
                 self.ctx.ledger.release(dataset, rid)
-        except redis.RedisError:
-            pass
+        except redis.RedisError as exc:
+            log.warning("could not give back %d reservations: %s; the reaper frees them",
+                        len(reserved), exc)
         finally:
             for _, rid in reserved:
                 self.ctx.live_rids.discard(rid)
 
-    def _give_back(self, early: Early) -> None:
-        try:
-            if early.admitted[1] is not None:
-                self.ctx.ledger.release(early.dataset, early.rid)
-        except redis.RedisError as exc:
-            # Left unclaimed, the reservation is freed by the reaper.
-            log.warning("could not give back %s's reservation %s: %s",
-                        early.dataset, early.rid, exc)
-        finally:
-            self.ctx.live_rids.discard(early.rid)
-            with self._lock:
-                self.given_back += 1
+
+class AdmitOnDelivery(bootsteps.StartStopStep):
+    """Consumer bootstep: the worker's channel admits each pop's samples as it delivers
+    them (a restarted consumer has a new channel, and comes here again)."""
+
+    requires = ("celery.worker.consumer.tasks:Tasks",)
+
+    def start(self, c: Any) -> None:
+        from workers.context import get_context  # it holds this module's EarlyAdmissions
+
+        channel = getattr(c.task_consumer, "channel", None)
+        if isinstance(channel, Channel):
+            channel.before_delivery = get_context(c.app).early.on_delivery

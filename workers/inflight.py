@@ -29,7 +29,8 @@ class LiveRids:
             self._rids.discard(rid)
 
     def __len__(self) -> int:
-        return len(self._rids)
+        with self._lock:
+            return len(self._rids)
 
     def snapshot(self) -> list[str]:
         with self._lock:

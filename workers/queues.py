@@ -13,7 +13,6 @@ from typing import Any
 
 from celery import bootsteps
 
-from common.broker import Channel
 from common.keys import queue_name
 from common.ledger import Ledger
 from common.pairing import pair
@@ -38,11 +37,6 @@ class DatasetQueues(bootsteps.StartStopStep):
         # Before subscribing to anything: a Redis that holds another database's queues
         # stops the worker here (raised from a bootstep, Celery exits with code 1).
         pair(ctx.store, ctx.ledger)
-        # Each pop's samples are admitted as the consumer delivers them (a restarted
-        # consumer has a new channel, and comes here again).
-        channel = getattr(c.task_consumer, "channel", None)
-        if isinstance(channel, Channel):
-            channel.before_delivery = ctx.early.on_delivery
         led = ctx.ledger
         consuming = {q.name for q in c.task_consumer.queues}
         for name in led.known():
