@@ -391,6 +391,24 @@ class Store:
                 sql, params = _prompt_insert(self.engine.dialect, table, keys)
                 conn.exec_driver_sql(sql, params(rows))
 
+    def refresh_statistics(self) -> None:
+        """PostgreSQL: gather the planner's statistics on the prompt tables (no-op on SQLite,
+        whose planner looks keys up in the primary key without them).
+
+        Called after a load. Without statistics, PostgreSQL's planner reads a worker's group
+        of keys of one dataset through ix_prompts_dataset_state, every row of the dataset,
+        rather than through the primary key: at 88,000 prompts in one dataset a group's
+        store took 42 ms instead of 1.4. Autovacuum gathers them in time, where it runs;
+        this does not wait for it (docs/PERFORMANCE_EXPERIMENTS.md, "Twenty-first round").
+        """
+        if self.engine.dialect.name != "postgresql":
+            return
+        with self.engine.begin() as conn:
+            conn.exec_driver_sql("ANALYZE prompts")
+            # Only the key: the planner never filters on messages or token ids, and
+            # sampling them would read every sampled row's TOAST.
+            conn.exec_driver_sql("ANALYZE prompt_inputs (dataset, sample_id)")
+
     def set_prompt_states(self, dataset: str, sample_ids: Iterable[str], state: str) -> None:
         ids = list(sample_ids)
         with self.engine.begin() as conn:

@@ -94,12 +94,13 @@ class Enqueuer:
         self._writing: ThreadPoolExecutor
         self._written: deque[Future[_Written]] = deque()
         self._failed = False
+        self._analyzed = False
 
     def run(self, plans: list[DatasetPlan]) -> list[DatasetSummary]:
         self._tokenizing = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenize")
         self._writing = ThreadPoolExecutor(max_workers=1, thread_name_prefix="store")
         self._written.clear()
-        self._failed = False
+        self._failed = self._analyzed = False
         summaries = [DatasetSummary(p.name) for p in plans]
         streams = [self._dataset(p, s) for p, s in zip(plans, summaries, strict=True)]
         # Round-robin over datasets, one chunk each, so every queue fills from the start.
@@ -112,6 +113,8 @@ class Enqueuer:
         finally:
             for pool in (self._tokenizing, self._writing):
                 pool.shutdown(wait=True, cancel_futures=True)
+        if self._analyzed:  # once more on the whole load
+            self.store.refresh_statistics()
         for summary in summaries:
             summary.closed = self.ledger.is_closed(summary.name)
         self.publisher.announce([p.name for p in plans])
@@ -191,6 +194,11 @@ class Enqueuer:
     ) -> _Written:
         rows = self._prompt_rows(plan, fresh, encoded.result())
         self.store.insert_prompts(rows)
+        if rows and not self._analyzed:
+            # Workers start on the first chunk's messages: the planner's statistics must
+            # not wait for the end of a load that takes minutes.
+            self.store.refresh_statistics()
+            self._analyzed = True
         new = [row["sample_id"] for row in rows if row["state"] == "queued"]
         to_send, skipped = lost + new, len(rows) - len(new)
         if not to_send or self.ledger.is_closed(plan.name):

@@ -7,6 +7,7 @@ import json
 from collections import Counter
 from pathlib import Path
 
+import psycopg
 import pytest
 import redis
 
@@ -16,12 +17,12 @@ from common.celery_app import make_celery
 from common.keys import dataset_keys
 from common.ledger import Ledger
 from common.settings import Settings
-from common.store import Store
+from common.store import Store, _mark_done_text, _numbered, _prompts_select_sql
 from producer import enqueue as enqueue_module
 from producer.enqueue import Enqueuer, Limits
 from producer.plan import plans_from_paths
 from producer.template import BUNDLED_TOKENIZER, ChatTemplater
-from tests.conftest import make_settings
+from tests.conftest import _fresh_postgres, make_settings
 
 
 @pytest.fixture
@@ -158,3 +159,23 @@ def test_a_failed_publish_stops_the_run_and_the_rerun_completes_it(
     rerun = _run(settings, templater, [path])["flaky"]
     assert rerun.enqueued + rerun.already_queued == 200
     assert _messages(redis_client, "flaky") == Counter({f"flaky-{i}": 1 for i in range(200)})
+
+
+def test_after_a_load_postgresql_finds_a_group_of_one_dataset_by_its_primary_key(
+    redis_client: redis.Redis, templater: ChatTemplater, tmp_path: Path
+) -> None:
+    # Without statistics (a fresh load, autovacuum not yet by or off), the planner read such
+    # a group through the (dataset, state) index: every row of the dataset, for each group.
+    settings = make_settings(_fresh_postgres(), "http://127.0.0.1:9")
+    _run(settings, templater, [_write(tmp_path, "one", 5000)])
+    dialect = Store(settings.database_url).engine.dialect
+    keys = tuple(v for i in range(0, 5000, 160) for v in ("one", f"one-{i}"))
+    statements = ((_prompts_select_sql(dialect, 32), keys),
+                  (_numbered(dialect, _mark_done_text(dialect, 32)), ("2026-01-01", *keys)))
+    url = settings.database_url.replace("+psycopg", "")
+    with psycopg.connect(url) as conn, psycopg.RawCursor(conn) as cur:
+        for sql, params in statements:  # as the worker sends them ($1, $2, ...)
+            cur.execute("EXPLAIN " + sql, params)
+            plan = "\n".join(row[0] for row in cur.fetchall())
+            assert "prompts_pkey" in plan, plan
+            assert "ix_prompts_dataset_state" not in plan, plan
