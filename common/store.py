@@ -409,6 +409,21 @@ class Store:
             # sampling them would read every sampled row's TOAST.
             conn.exec_driver_sql("ANALYZE prompt_inputs (dataset, sample_id)")
 
+    def ensure_statistics(self) -> bool:
+        """PostgreSQL: gather the prompt tables' statistics if they hold prompts and have
+        none (loaded by an earlier version where autovacuum is off, or carried over by
+        pg_upgrade, which leaves them out); True if it did."""
+        if self.engine.dialect.name != "postgresql":
+            return False
+        missing = sa.text(
+            "SELECT EXISTS (SELECT 1 FROM prompts) AND NOT EXISTS (SELECT 1 FROM pg_stats "
+            "WHERE schemaname = current_schema() AND tablename = 'prompts')")
+        with self.engine.connect() as conn:
+            if not conn.scalar(missing):
+                return False
+        self.refresh_statistics()
+        return True
+
     def set_prompt_states(self, dataset: str, sample_ids: Iterable[str], state: str) -> None:
         ids = list(sample_ids)
         with self.engine.begin() as conn:

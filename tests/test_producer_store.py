@@ -89,3 +89,19 @@ def test_a_group_read_answers_each_key_in_order_across_datasets(db_url: str) -> 
     assert got[1] is not None and got[1].input_ids == [9, 9]
     assert got[5] is not None and got[5].input_ids == [9, 9, 9]
     assert store.prompts([]) == []
+
+
+def test_a_worker_gathers_postgresqls_statistics_once_where_there_are_none(db_url: str) -> None:
+    store = Store(db_url)
+    assert store.ensure_statistics() is False  # nothing to plan for yet
+    store.insert_prompts(_rows(50))
+    on_postgresql = store.engine.dialect.name == "postgresql"
+    assert store.ensure_statistics() is on_postgresql
+    assert store.ensure_statistics() is False
+    if on_postgresql:
+        with store.engine.connect() as conn:
+            analyzed = set(conn.exec_driver_sql(
+                "SELECT tablename, attname FROM pg_stats WHERE schemaname = current_schema()"))
+        assert {("prompts", "sample_id"), ("prompts", "state"),
+                ("prompt_inputs", "sample_id")} <= analyzed
+        assert ("prompt_inputs", "messages") not in analyzed

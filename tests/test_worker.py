@@ -28,6 +28,7 @@ from tests.helpers import (
     wait_settled,
     write_dataset,
 )
+from workers.app import create_app, prepare
 from workers.context import get_context
 from workers.tasks import register_tasks, send_retry
 
@@ -215,3 +216,18 @@ def test_a_retry_redis_never_takes_is_given_up_after_its_window(
     # It tried again until its window ran out, then let the reject through.
     assert "could not send the retry of away-1" in caplog.text
     assert time.monotonic() - started >= 1.0
+
+
+def test_a_worker_starting_on_prompts_without_statistics_gathers_them(
+    settings: Settings, store: Store
+) -> None:
+    store.insert_prompts([{"dataset": "ds", "sample_id": f"s{i}", "state": "queued",
+                           "messages": [{"role": "user", "content": "hi"}], "input_ids": [1, 2],
+                           "prompt_tokens": 2, "max_new_tokens": 8} for i in range(20)])
+    prepare(create_app(settings))
+    # Gathered by the start (PostgreSQL), so there is nothing left to gather.
+    assert store.ensure_statistics() is False
+    if store.engine.dialect.name == "postgresql":
+        with store.engine.connect() as conn:
+            assert conn.exec_driver_sql("SELECT count(*) FROM pg_stats "
+                                        "WHERE tablename = 'prompts'").scalar()

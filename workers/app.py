@@ -40,7 +40,8 @@ def create_app(settings: Settings) -> Celery:
 
 
 def prepare(app: Celery) -> None:
-    """Before consuming: rebuild the ledger from SQL and say which servers are down."""
+    """Before consuming: rebuild the ledger from SQL, give PostgreSQL's planner statistics
+    on the prompts if it has none, and say which servers are down."""
     ctx = get_context(app)
     try:
         reconciled = reconcile_all(ctx.store, ctx.ledger)
@@ -53,6 +54,8 @@ def prepare(app: Celery) -> None:
         if r.tokens_added or r.closed_now:
             log.info("reconciled %s: +%d tokens, closed now: %s", r.name, r.tokens_added,
                      r.closed_now)
+    if ctx.store.ensure_statistics():
+        log.info("gathered the planner's statistics on the prompt tables, which had none")
     for problem in ctx.client.check_servers():
         log.warning("SGLang server not answering at start: %s", problem)
 
