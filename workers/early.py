@@ -31,13 +31,13 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-import redis
 from celery import bootsteps
 
 from common.broker import Channel
 from common.celery_app import GENERATE_TASK
 from common.rids import new_rid
 from workers import steps
+from workers.inflight import give_back
 
 if TYPE_CHECKING:
     from workers.context import WorkerContext
@@ -126,7 +126,7 @@ class EarlyAdmissions:
         except Exception as exc:
             # ADMIT may have run with its reply lost: free what it may have reserved, as a
             # task does after a failed step. Each task then admits itself.
-            self._release([(d, rid) for _, d, _, _, rid in picked])
+            give_back(ctx.ledger, ctx.live_rids, [(d, rid) for _, d, _, _, rid in picked])
             self._paused_until = now + self.pause_s
             log.warning("admission at delivery failed (%s: %s); tasks admit themselves "
                         "for %.0fs", type(exc).__name__, exc, self.pause_s)
@@ -184,22 +184,11 @@ class EarlyAdmissions:
         with self._lock:
             self.given_back += len(entries)
         # Only an admitted sample holds a reservation; every entry holds its rid's claim.
-        self._release([(e.dataset, e.rid) for e in entries if e.admitted[1] is not None])
+        give_back(self.ctx.ledger, self.ctx.live_rids,
+                  [(e.dataset, e.rid) for e in entries if e.admitted[1] is not None])
         for e in entries:
-            self.ctx.live_rids.discard(e.rid)
-
-    def _release(self, reserved: list[tuple[str, str]]) -> None:
-        """Release these (dataset, rid) reservations and drop their claims. With Redis
-        away the rest is left unclaimed, for the reaper, without a wait for each."""
-        try:
-            for dataset, rid in reserved:
-                self.ctx.ledger.release(dataset, rid)
-        except redis.RedisError as exc:
-            log.warning("could not give back %d reservations: %s; the reaper frees them",
-                        len(reserved), exc)
-        finally:
-            for _, rid in reserved:
-                self.ctx.live_rids.discard(rid)
+            if e.admitted[1] is None:
+                self.ctx.live_rids.discard(e.rid)
 
 
 class AdmitOnDelivery(bootsteps.StartStopStep):

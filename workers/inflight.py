@@ -10,7 +10,17 @@ no live worker has claimed for ``dead_after_s``.
 
 from __future__ import annotations
 
+import logging
 import threading
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+import redis
+
+if TYPE_CHECKING:
+    from common.ledger import Ledger
+
+log = logging.getLogger(__name__)
 
 
 class LiveRids:
@@ -35,3 +45,18 @@ class LiveRids:
     def snapshot(self) -> list[str]:
         with self._lock:
             return list(self._rids)
+
+
+def give_back(ledger: Ledger, live_rids: LiveRids, reserved: Sequence[tuple[str, str]]) -> None:
+    """Release these (dataset, rid) reservations and drop their claims. With Redis away,
+    one warning for them all, and the claims go anyway: the reaper frees what no claim
+    covers, without a wait for each here."""
+    try:
+        for dataset, rid in reserved:
+            ledger.release(dataset, rid)
+    except redis.RedisError as exc:
+        log.warning("could not give back %d reservations: %s; the reaper frees them",
+                    len(reserved), exc)
+    finally:
+        for _, rid in reserved:
+            live_rids.discard(rid)

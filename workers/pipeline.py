@@ -24,6 +24,7 @@ from common.rids import new_rid
 from common.sglang_client import Completion
 from common.store import DatasetRow, PromptRow
 from workers.context import WorkerContext
+from workers.inflight import give_back
 from workers.steps import DEFAULT_EXPECTED_TOKENS
 
 log = logging.getLogger(__name__)
@@ -74,7 +75,7 @@ def run_sample(ctx: WorkerContext, dataset: str, sample_id: str,
     except BaseException:
         # Whatever failed after ADMIT may have run (an answer lost to a reset connection):
         # free the reservation, or the dataset's admission would count it for good.
-        _release_quietly(ctx, dataset, rid)
+        give_back(ctx.ledger, ctx.live_rids, [(dataset, rid)])
         raise
     finally:
         ctx.live_rids.discard(rid)
@@ -96,13 +97,6 @@ def _generate(ctx: WorkerContext, prompt: PromptRow, server: str, rid: str,
     if completion.finish_type == "abort":
         return _aborted(ctx, prompt.dataset, prompt.sample_id, rid, completion)
     return keep(ctx, ds, prompt.sample_id, completion, delivery_tag)
-
-
-def _release_quietly(ctx: WorkerContext, dataset: str, rid: str) -> None:
-    try:
-        ctx.ledger.release(dataset, rid)
-    except redis.RedisError:
-        log.warning("could not release %s's reservation %s; Redis does not answer", dataset, rid)
 
 
 def keep(ctx: WorkerContext, ds: DatasetRow, sample_id: str, completion: Completion,
