@@ -1,0 +1,49 @@
+"""The typed rows that pass between the producer, the workers and the store.
+
+Each is one row of a table in ``common/schema.py``, as the code that writes it knows it:
+the store turns them into its statements, so no caller spells a column name.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass(frozen=True)
+class NewPrompt:
+    """A prompt the producer stores: its ``prompts`` row and its ``prompt_inputs`` row."""
+
+    dataset: str
+    sample_id: str
+    state: str  # "queued", or "skipped" when it leaves no room to generate
+    prompt_tokens: int
+    max_new_tokens: int
+    source: str
+    messages: list[dict[str, Any]]
+    input_ids: list[int]
+    error: str | None = None
+
+
+@dataclass(frozen=True)
+class ResultRow:
+    """One sample's result, as its charge allows it to be kept."""
+
+    dataset: str
+    sample_id: str
+    rid: str
+    prompt_tokens: int
+    completion_tokens: int
+    finish_reason: str
+    output_ids: list[int]
+    output_text: str
+    server: str
+    model: str
+    cached_tokens: int = 0
+    reasoning_tokens: int = 0
+    finish_detail: dict[str, Any] | None = field(default=None)
+    e2e_latency_s: float | None = None
+
+    @property
+    def key(self) -> tuple[str, str]:
+        return self.dataset, self.sample_id
