@@ -10,7 +10,7 @@ Tables:
             Apart from prompts so that marking a prompt done rewrites a row of a few dozen
             bytes: SQLite rewrites a row's whole record to change one column, and with the
             ids inside, a prompt of 1,300 tokens wrote 12.7 KiB to the WAL to be marked done
-            (0.7 KiB apart) and took 24 us against 4 (docs/PERFORMANCE_EXPERIMENTS.md).
+            (0.7 KiB apart).
   results   one row per generated sample, unique (dataset, sample_id).
 
 Token id lists are stored as packed little-endian uint32 bytes (4 bytes a token): exact,
