@@ -3,19 +3,23 @@
 Requests go out as token ids with a unique rid and explicit sampling parameters; the
 answer's ``output_ids`` are checked against ``meta_info.completion_tokens``.
 
-/generate and /abort_request go through ``common.httpwire`` on one kept-alive connection
-per thread and server (``requests`` cost a worker more CPU than the rest of a sample's
-path, and a close more time than its aborts' round trips); the rare calls (health, model
-info) use ``requests``.
+Every call goes through ``requests``: one ``Session`` per thread (its pool keeps one
+kept-alive connection per server), timeouts ``(connect_timeout_s, read_timeout_s)``, no
+retries of its own (a failed call is the pipeline's to retry, counted or not). Failures
+are sorted here:
+
+    ServerUnreachable  no connection was made (refused, name not resolved, connect timeout,
+                       proxy refused): the server is at fault, not counted as an attempt
+    TransientError     timeouts, resets, a connection closed unanswered, 408/429/5xx, an
+                       answer that is not JSON
+    PermanentError     any other 4xx (with SGLang's message), an answer without meta_info
+    IncompatibleServer no output_ids, or a count that does not match them
 """
 
 from __future__ import annotations
 
-import http.client
 import itertools
-import json
 import logging
-import ssl
 import threading
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -23,21 +27,13 @@ from dataclasses import dataclass
 from typing import Any
 
 import requests
+from urllib3.exceptions import NameResolutionError, NewConnectionError
 
 from common.errors import (
     IncompatibleServer,
     PermanentError,
     ServerUnreachable,
     TransientError,
-)
-from common.httpwire import (
-    Answer,
-    FastConnection,
-    Route,
-    dropped,
-    new_connection,
-    request_head,
-    route,
 )
 from common.rids import server_tag, tag_of
 
@@ -64,11 +60,11 @@ class Completion:
     e2e_latency_s: float | None
 
 
-def _error_message(answer: Answer) -> str:
+def _error_message(resp: requests.Response) -> str:
     try:
-        body = json.loads(answer.body)
+        body = resp.json()
     except ValueError:
-        return answer.body[:500].decode("utf-8", "replace") or answer.reason
+        return resp.content[:500].decode("utf-8", "replace") or resp.reason
     err = body.get("error", body.get("message", body)) if isinstance(body, dict) else body
     if isinstance(err, dict):
         err = err.get("message", err)
@@ -111,19 +107,22 @@ def parse_completion(body: Any, rid: str, server: str) -> Completion:
     )
 
 
-@dataclass(frozen=True)
-class _Endpoint:
-    """How /generate reaches one server, worked out once."""
-
-    route: Route
-    head: bytes  # the header block FastConnection sends
-    headers: dict[str, str]  # the headers http.client sends (TLS or a proxy in between)
-    proxies: dict[str, str]  # for requests' calls (abort, health, model info)
+def _unreachable(server: str, exc: requests.ConnectionError) -> ServerUnreachable | None:
+    """The error for a call that never reached the server (no connection was made), or
+    None when the connection was made and then failed: the request may have run."""
+    if isinstance(exc, requests.exceptions.ProxyError):
+        return ServerUnreachable(f"{server}: proxy unreachable ({exc})", server=server)
+    # requests wraps a failed connect in urllib3's MaxRetryError, whose reason says why.
+    reason = getattr(exc.args[0] if exc.args else None, "reason", None)
+    if isinstance(reason, NameResolutionError):
+        return ServerUnreachable(f"{server}: name not resolved", server=server)
+    if isinstance(reason, NewConnectionError):
+        return ServerUnreachable(f"{server}: connection refused", server=server)
+    return None
 
 
 class SGLangClient:
-    """Spreads requests over one or more servers, one kept-alive connection per thread
-    and server."""
+    """Spreads requests over one or more servers, one ``requests`` session per thread."""
 
     def __init__(
         self,
@@ -140,18 +139,12 @@ class SGLangClient:
         self._local = threading.local()
         self._headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self._models: dict[str, str] = {}
-        # Proxy settings are read from the environment once, here, never per request.
-        self._endpoints = {u: self._endpoint(u, requests.utils.get_environ_proxies(u))
-                           for u in urls}
-
-    def _endpoint(self, server: str, proxies: dict[str, str]) -> _Endpoint:
-        target = route(server, proxies)
-        headers = {"Content-Type": "application/json", **self._headers,
-                   **dict(target.proxy_headers)}
-        return _Endpoint(target, request_head(target, self._headers), headers, proxies)
+        # Proxy settings are read from the environment once, here, per server (NO_PROXY
+        # may exempt some and not others), and the sessions do not look again per request.
+        self._proxies = {u: requests.utils.get_environ_proxies(u) for u in urls}
 
     def _session(self) -> requests.Session:
-        session = getattr(self._local, "session", None)
+        session: requests.Session | None = getattr(self._local, "session", None)
         if session is None:
             session = requests.Session()
             session.headers.update(self._headers)
@@ -160,9 +153,30 @@ class SGLangClient:
         return session
 
     def _request(self, method: str, server: str, path: str, **kwargs: Any) -> requests.Response:
-        # Each server with its own proxy settings: NO_PROXY may exempt some and not others.
-        proxies = self._endpoints[server].proxies
-        return self._session().request(method, f"{server}{path}", proxies=proxies, **kwargs)
+        return self._session().request(method, f"{server}{path}",
+                                       proxies=self._proxies.get(server, {}), **kwargs)
+
+    def _post(self, server: str, path: str, payload: dict[str, Any],
+              read_timeout_s: float) -> requests.Response:
+        """One POST on this thread's session, its failures sorted into the error tree."""
+        try:
+            return self._request("POST", server, path, json=payload,
+                                 timeout=(self.timeout[0], read_timeout_s))
+        except requests.ConnectTimeout as exc:
+            raise ServerUnreachable(f"{server}: connect timed out", server=server) from exc
+        except requests.ReadTimeout as exc:
+            raise TransientError(
+                f"{server}: timed out (read timeout={read_timeout_s}s)", server=server
+            ) from exc
+        except requests.exceptions.SSLError as exc:
+            raise TransientError(f"{server}: TLS failed ({exc})", server=server) from exc
+        except requests.ConnectionError as exc:
+            unreachable = _unreachable(server, exc)
+            if unreachable is not None:
+                raise unreachable from exc
+            raise TransientError(f"{server}: connection failed ({exc})", server=server) from exc
+        except requests.RequestException as exc:  # a broken answer: cut short, bad chunks
+            raise TransientError(f"{server}: connection failed ({exc})", server=server) from exc
 
     def pick_server(self) -> str:
         with self._lock:
@@ -177,89 +191,24 @@ class SGLangClient:
             "sampling_params": sampling_params,
             "stream": False,
         }
-        answer = self._post_generate(server, json.dumps(payload, separators=(",", ":")).encode())
-        if answer.status in RETRYABLE_STATUS:
+        resp = self._post(server, "/generate", payload, self.timeout[1])
+        if resp.status_code in RETRYABLE_STATUS:
             raise TransientError(
-                f"{server}: HTTP {answer.status}: {_error_message(answer)}",
+                f"{server}: HTTP {resp.status_code}: {_error_message(resp)}",
                 server=server,
-                status=answer.status,
+                status=resp.status_code,
             )
-        if answer.status != 200:
+        if resp.status_code != 200:
             raise PermanentError(
-                f"{server}: HTTP {answer.status}: {_error_message(answer)}",
+                f"{server}: HTTP {resp.status_code}: {_error_message(resp)}",
                 server=server,
-                status=answer.status,
+                status=resp.status_code,
             )
         try:
-            body = json.loads(answer.body)
+            body = resp.json()
         except ValueError as exc:
             raise TransientError(f"{server}: answer is not JSON", server=server) from exc
         return parse_completion(body, rid, server)
-
-    def _post_generate(self, server: str, body: bytes) -> Answer:
-        return self._post(server, "/generate", body, self.timeout[1])
-
-    def _post(self, server: str, endpoint: str, body: bytes, read_timeout_s: float) -> Answer:
-        """One POST on this thread's connection to ``server``; a broken one is dropped."""
-        ep = self._endpoints.get(server) or self._endpoint(server, {})
-        path = ep.route.path_to(endpoint)
-        conn = self._connection(server, ep.route)
-        if read_timeout_s != self.timeout[1] and conn.sock is not None:
-            conn.sock.settimeout(read_timeout_s)
-        try:
-            if isinstance(conn, FastConnection):
-                return conn.exchange(path, ep.head, body)
-            conn.request("POST", path, body, ep.headers)
-            resp = conn.getresponse()
-            return Answer(resp.status, resp.reason, resp.read())
-        except TimeoutError as exc:
-            conn.close()
-            raise TransientError(
-                f"{server}: timed out (read timeout={read_timeout_s}s)", server=server
-            ) from exc
-        except (OSError, http.client.HTTPException) as exc:
-            conn.close()
-            raise TransientError(f"{server}: connection failed ({exc!r})", server=server) from exc
-        except BaseException:
-            conn.close()  # half a request on the wire: the connection cannot be reused
-            raise
-        finally:
-            if read_timeout_s != self.timeout[1] and conn.sock is not None:
-                conn.sock.settimeout(self.timeout[1])
-
-    def _connection(self, server: str, target: Route) -> http.client.HTTPConnection:
-        conns: dict[str, http.client.HTTPConnection] | None = getattr(self._local, "conns", None)
-        if conns is None:
-            conns = self._local.conns = {}
-        conn = conns.get(server)
-        if conn is None:
-            conn = conns[server] = new_connection(target, self.timeout[0])
-        if conn.sock is not None and dropped(conn.sock):
-            conn.close()
-        if conn.sock is None:
-            self._connect(server, conn)
-        return conn
-
-    def _connect(self, server: str, conn: http.client.HTTPConnection) -> None:
-        """Connect now, not inside request(), so a server that is not there is told apart
-        from one that failed mid-answer."""
-        conn.timeout = self.timeout[0]
-        try:
-            conn.connect()
-        except TimeoutError as exc:
-            conn.close()
-            raise ServerUnreachable(f"{server}: connect timed out", server=server) from exc
-        except ssl.SSLError as exc:
-            conn.close()
-            raise TransientError(f"{server}: TLS failed ({exc})", server=server) from exc
-        except OSError as exc:
-            conn.close()
-            raise ServerUnreachable(f"{server}: connection refused", server=server) from exc
-        except BaseException:
-            conn.close()
-            raise
-        if conn.sock is not None:
-            conn.sock.settimeout(self.timeout[1])
 
     def abort(self, rid: str) -> None:
         self.abort_many([rid])
@@ -284,20 +233,19 @@ class SGLangClient:
     def _abort_on(self, server: str, rids: Sequence[str]) -> int:
         refused = 0
         for n, rid in enumerate(rids):
-            body = json.dumps({"rid": rid}, separators=(",", ":")).encode()
             try:
-                answer = self._post(server, "/abort_request", body, ABORT_READ_TIMEOUT_S)
+                resp = self._post(server, "/abort_request", {"rid": rid}, ABORT_READ_TIMEOUT_S)
             except TransientError as exc:  # ServerUnreachable included
                 # A server that does not answer runs nothing to abort (or cannot be
                 # reached to): waiting out a timeout per rid would only delay the others.
                 log.warning("%s did not answer an abort (%s); skipped its %d other aborts",
                             server, exc, len(rids) - n - 1)
                 return n + 1
-            if answer.status != 200:
+            if resp.status_code != 200:
                 refused += 1
                 if refused == 1:  # said once a close: a missing admin key refuses them all
-                    log.warning("%s refused an abort: HTTP %d: %s", server, answer.status,
-                                _error_message(answer))
+                    log.warning("%s refused an abort: HTTP %d: %s", server, resp.status_code,
+                                _error_message(resp))
         return len(rids)
 
     def model(self, server: str) -> str:

@@ -40,7 +40,8 @@ _ATTEMPT_LINE = re.compile(
     r"(\S+)/(\S+) (?:attempt \d+ failed \(|failed: after \d+ attempts: )(.*)")
 # What a client reads when the connection its request went out on was closed or reset with
 # no answer: a stopping server's doing, whether or not a handler ever saw the request.
-_UNANSWERED = ("remote end closed connection without response", "Connection reset by peer")
+# Compared without case: http.client says "Remote end closed ...".
+_UNANSWERED = ("remote end closed connection without response", "connection reset by peer")
 CLEAR = {"error_rate": 0.0, "error_status": 500, "fail_next": 0, "disconnect_rate": 0.0,
          "disconnect_next": 0, "latency_s": 0.0, "abort_next": 0, "decode_tok_per_s": BASE_DECODE}
 OUTAGES = ("down_for_s", "process_restart")
@@ -123,7 +124,7 @@ def unanswered_attempt(line: str) -> tuple[str, str] | None:
     """The (dataset, sample_id) of a workers' log line that counts an attempt whose
     connection was closed or reset before an answer came; None for any other line."""
     m = _ATTEMPT_LINE.search(line)
-    if m and any(error in m.group(3) for error in _UNANSWERED):
+    if m and any(error in m.group(3).lower() for error in _UNANSWERED):
         return m.group(1), m.group(2)
     return None
 

@@ -41,14 +41,14 @@ def _flags(argv: list[str]) -> dict[str, list[str]]:
     return {name: cmd[3:] for name, cmd in commands(parse(argv))}
 
 
-def test_overhead_always_compares_with_the_same_http_client_and_profiles_at_full_scale() -> None:
+def test_overhead_profiles_at_full_scale_only() -> None:
     full, quick = _flags([]), _flags(["--quick"])
-    assert full["overhead"] == ["--bare-sglang", "--profile"]
-    assert quick["overhead"] == ["--bare-sglang", "--quick"]
+    assert full["overhead"] == ["--profile"]
+    assert quick["overhead"] == ["--quick"]
     assert "--profile" not in _flags(["--no-profile"])["overhead"]
     # Beside it, every leg on a worker process per core, never profiled (py-spy follows one).
-    assert full["overhead-per-core"] == ["--bare-sglang", "--workers", "cores"]
-    assert quick["overhead-per-core"] == ["--bare-sglang", "--workers", "cores", "--quick"]
+    assert full["overhead-per-core"] == ["--workers", "cores"]
+    assert quick["overhead-per-core"] == ["--workers", "cores", "--quick"]
     assert list(_flags(["--only", "guard,memory"])) == ["memory", "guard"]
 
 
@@ -59,23 +59,20 @@ def _summary(rate: float, low: float, high: float) -> dict[str, float]:
 def test_overhead_rows_judge_each_ratio_and_rate_against_its_target() -> None:
     overhead = {
         "bare": {"rate": _summary(600, 590, 610)},
-        "bare-sglang": {"rate": _summary(1200, 1150, 1250)},
-        "sqlite": {"rate": _summary(540, 500, 600), "ratio_to_bare": _summary(0.9, 0.8, 1),
-                   "ratio_to_bare_sglang_client": _summary(0.45, 0.4, 0.5)},
-        "postgresql": {"rate": _summary(380, 350, 420), "ratio_to_bare": _summary(0.63, 0.6, 0.7),
-                       "ratio_to_bare_sglang_client": _summary(0.32, 0.3, 0.35)},
+        "sqlite": {"rate": _summary(540, 500, 600), "ratio_to_bare": _summary(0.9, 0.8, 1)},
+        "postgresql": {"rate": _summary(380, 350, 420), "ratio_to_bare": _summary(0.63, 0.6, 0.7)},
     }
     rows = {figure: (value, verdict) for _, figure, value, _, verdict in
             headline({"overhead": overhead})}
     assert rows["pipeline sqlite, completions/s"] == ("540", "met")
     assert rows["pipeline sqlite / bare (requests)"] == ("0.900", "met")
-    assert rows["pipeline sqlite / bare (same HTTP client)"] == ("0.450", "MISSED")
+    assert rows["pipeline postgresql / bare (requests)"] == ("0.630", "MISSED")
     assert rows["pipeline postgresql, completions/s"] == ("380", "MISSED")
-    assert rows["bare Celery task (same HTTP client), completions/s"] == ("1,200", "-")
+    assert rows["bare Celery task (requests), completions/s"] == ("600", "-")
     per_core = {figure: (value, verdict) for bench, figure, value, _, verdict in
                 headline({"overhead-per-core": {**overhead, "workers": 2}})}
-    assert per_core["pipeline sqlite / bare (same HTTP client), 2 worker processes"] == (
-        "0.450", "MISSED")
+    assert per_core["pipeline sqlite / bare (requests), 2 worker processes"] == (
+        "0.900", "met")
 
 
 def test_the_guards_reference_case_is_shown_but_not_judged() -> None:
@@ -195,12 +192,12 @@ def test_make_bench_runs_end_to_end_at_quick_scale(tmp_path: Path,
          "--out", str(out)], env=env, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     results = json.loads(out.read_text())["results"]
-    for kind in ("sqlite", "postgresql", "bare", "bare-sglang"):
+    for kind in ("sqlite", "postgresql", "bare"):
         assert results["overhead"][kind]["rate"]["median"] > 0, kind
         # Every task blocks at least on its HTTP answer: a worker that made no switch
         # would mean the count reads the wrong process or threads.
         assert results["overhead"][kind]["worker_switches_per_task"]["median"] >= 1, kind
-    assert results["overhead"]["sqlite"]["ratio_to_bare_sglang_client"]["n"] == 2
+    assert results["overhead"]["sqlite"]["ratio_to_bare"]["n"] == 2
     assert any("crossing" in case for case in results["guard"]["cases"])
     # The close with every rid sent to every server is the one case marked as a reference.
     marked = [case for case, v in results["guard"]["cases"].items() if v["reference"]]
@@ -246,7 +243,7 @@ def test_the_fleet_projection_counts_costs_at_a_paced_rate(tmp_path: Path,
 
 
 def test_the_overhead_legs_take_turns_in_each_place_of_a_round() -> None:
-    kinds = ["sqlite", "postgresql", "sqlite@baseline", "bare", "bare-sglang"]
+    kinds = ["sqlite", "postgresql", "sqlite@baseline", "postgresql@baseline", "bare"]
     orders = [round_order(kinds, i) for i in range(4)]
     assert orders[0] == orders[2] == kinds and orders[1] == orders[3] == kinds[::-1]
     # Over two rounds every leg is as often early as late: its places add up the same.
@@ -293,12 +290,12 @@ def test_the_overhead_legs_run_on_as_many_worker_processes_as_asked(
     env = {**os.environ, "DATAGEN_BENCH_REDIS_URL": REDIS_URL, "DATAGEN_BENCH_DIR": str(tmp_path)}
     done = subprocess.run(
         [sys.executable, "-m", "ops.bench.overhead", "--dbs", "sqlite", "--samples", "200",
-         "--rounds", "1", "--workers", "2", "--concurrency", "8", "--bare-sglang"],
+         "--rounds", "1", "--workers", "2", "--concurrency", "8"],
         env=env, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     line = next(x for x in done.stdout.splitlines() if x.startswith(RESULT_PREFIX))
     results = json.loads(line.removeprefix(RESULT_PREFIX))
-    for kind in ("sqlite", "bare", "bare-sglang"):
+    for kind in ("sqlite", "bare"):
         assert results[kind]["worker_processes"] == 2, kind
         assert results[kind]["rate"]["median"] > 0, kind
     assert "2 worker process(es) at c=8" in done.stdout

@@ -1,12 +1,13 @@
-"""The /generate client on http.client: every answer and failure sorted as before, kept-alive
-connections reused, and a connection the server dropped while idle replaced unnoticed.
+"""The /generate client on requests: every answer and failure sorted into the error tree,
+kept-alive connections reused, and a connection the server dropped while idle replaced
+unnoticed.
 
 A small threaded HTTP/1.1 server plays each behaviour; no simulator, no Redis.
 """
 
 from __future__ import annotations
 
-import http.client
+import base64
 import json
 import socket
 import threading
@@ -18,7 +19,6 @@ from typing import Any
 import pytest
 
 from common.errors import IncompatibleServer, PermanentError, ServerUnreachable, TransientError
-from common.httpwire import FastConnection, new_connection, route
 from common.sglang_client import SGLangClient
 from ops.localredis import free_port
 
@@ -46,6 +46,7 @@ class Behaviour:
         self.connections = 0
         self.bodies: list[dict[str, Any]] = []
         self.headers: list[dict[str, str]] = []
+        self.paths: list[str] = []
 
 
 class Handler(BaseHTTPRequestHandler):
@@ -64,6 +65,7 @@ class Handler(BaseHTTPRequestHandler):
         raw = self.rfile.read(int(self.headers["Content-Length"]))
         b.bodies.append(json.loads(raw))
         b.headers.append(dict(self.headers))
+        b.paths.append(self.path)
         mode = b.mode
         if mode == "drop":
             self.close_connection = True
@@ -189,21 +191,23 @@ def test_an_unknown_host_is_unreachable() -> None:
         call("http://no-such-host.invalid:30000")
 
 
-def test_proxies_from_the_environment_are_honoured() -> None:
-    direct = route("http://10.0.0.5:30000", {})
-    assert (direct.host, direct.port, direct.generate_path) == ("10.0.0.5", 30000, "/generate")
-    plain = route("http://10.0.0.5:30000/", {"http": "http://u:p@proxy:3128"})
-    assert (plain.host, plain.port) == ("proxy", 3128)
-    assert plain.generate_path == "http://10.0.0.5:30000/generate"
-    assert plain.proxy_headers[0][0] == "Proxy-Authorization"
-    tls = route("https://gpu:8443/sgl", {"https": "http://proxy:3128"})
-    assert (tls.https, tls.host, tls.tunnel, tls.generate_path) == (
-        True, "proxy", ("gpu", 8443), "/sgl/generate")
-    assert tls.proxy_headers == ()
-    # The server's other endpoints (the aborts of a close) go the same way.
-    assert (direct.path_to("/abort_request"), plain.path_to("/abort_request"),
-            tls.path_to("/abort_request")) == (
-        "/abort_request", "http://10.0.0.5:30000/abort_request", "/sgl/abort_request")
+def test_a_proxy_from_the_environment_carries_generate_and_aborts(
+    server: tuple[str, Behaviour], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Plain HTTP through a proxy: the request line carries the absolute URL, the proxy's
+    credentials go in Proxy-Authorization, and a close's aborts take the same way."""
+    proxy_url, b = server
+    monkeypatch.setenv("HTTP_PROXY", proxy_url.replace("http://", "http://u:p@"))
+    for var in ("http_proxy", "NO_PROXY", "no_proxy", "ALL_PROXY", "all_proxy"):
+        monkeypatch.delenv(var, raising=False)
+    far = "http://gpu-b.example:30000/sgl"  # resolvable only by the proxy
+    client = SGLangClient((far,), api_key="k")
+    assert client.generate(far, "rid-1", [1], {"max_new_tokens": 8}).output_ids == [5, 6, 7]
+    client.abort_many(["rid-2"])
+    assert b.paths == [f"{far}/generate", f"{far}/abort_request"]
+    token = base64.b64encode(b"u:p").decode()
+    assert b.headers[0]["Proxy-Authorization"] == f"Basic {token}"
+    assert b.headers[0]["Authorization"] == "Bearer k"
 
 
 @pytest.mark.parametrize("mode", ["chunked", "until_close"])
@@ -226,15 +230,6 @@ def test_a_broken_answer_is_a_connection_failure(server: tuple[str, Behaviour],
     with pytest.raises(TransientError, match="connection failed") as info:
         call(url)
     assert not isinstance(info.value, ServerUnreachable)
-
-
-def test_tls_and_proxied_servers_go_through_http_client() -> None:
-    client = SGLangClient(("https://gpu:8443", "http://10.0.0.5:30000"))
-    kinds = {u: type(new_connection(e.route, 1.0)) for u, e in client._endpoints.items()}
-    assert kinds == {"https://gpu:8443": http.client.HTTPSConnection,
-                     "http://10.0.0.5:30000": FastConnection}
-    proxied = route("http://10.0.0.5:30000", {"http": "http://proxy:3128"})
-    assert type(new_connection(proxied, 1.0)) is http.client.HTTPConnection
 
 
 class PathRecorder(BaseHTTPRequestHandler):

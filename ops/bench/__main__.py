@@ -25,11 +25,10 @@ BENCHES: tuple[tuple[str, str, tuple[str, ...], tuple[str, ...]], ...] = (
     ("guard", "ops.bench.guard", (), ()),
     ("overshoot", "ops.bench.overshoot", (), ()),
     ("saturation", "ops.bench.saturation", (), ()),
-    # The bare task with the pipeline's own HTTP client is the strict comparison.
-    ("overhead", "ops.bench.overhead", ("--bare-sglang",), ("--profile",)),
+    ("overhead", "ops.bench.overhead", (), ("--profile",)),
     # The same with a worker process per core, every leg alike: one process's Python runs
     # on one core at a time (the GIL), whatever the machine has.
-    ("overhead-per-core", "ops.bench.overhead", ("--bare-sglang", "--workers", "cores"), ()),
+    ("overhead-per-core", "ops.bench.overhead", ("--workers", "cores"), ()),
     ("scaling", "ops.bench.scaling", (), ()),
     ("producer", "ops.bench.producer_rate", (), ("--profile",)),
     ("hotpath", "ops.bench.hotpath", (), ()),

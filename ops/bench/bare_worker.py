@@ -4,9 +4,8 @@ Same app options (``common.celery_app.celery_config``), same task name and queue
 messages (the real producer publishes them), threads pool at the same concurrency. The
 task posts the same ``/generate`` body the pipeline would (ids loaded at start from
 ``DATAGEN_BENCH_PAYLOADS``), parses the JSON answer and returns: no SQL, no ledger.
-The call goes through ``requests``, unless ``DATAGEN_BENCH_BARE_CLIENT=sglang``: then
-through the pipeline's own ``SGLangClient``, so a leaner client is not counted as less
-pipeline overhead.
+The call goes through ``requests``, one session per thread, as the pipeline's own
+``SGLangClient`` makes it.
 
     celery -A ops.bench.bare_worker worker --pool=threads -c 64 -Q datagen.q.B1,...
 """
@@ -24,7 +23,6 @@ from celery import Task
 from common.celery_app import GENERATE_TASK, make_celery
 from common.rids import new_rid
 from common.settings import Settings
-from common.sglang_client import SGLangClient
 
 settings = Settings.from_env()
 app = make_celery(settings, main="bench-bare")
@@ -34,9 +32,6 @@ _PAYLOADS: dict[str, Any] = json.loads(
 ) if os.environ.get("DATAGEN_BENCH_PAYLOADS") else {}
 _local = threading.local()
 _SERVER = settings.sglang_urls[0]
-_CLIENT = SGLangClient(settings.sglang_urls, connect_timeout_s=settings.connect_timeout_s,
-                       read_timeout_s=settings.request_timeout_s) \
-    if os.environ.get("DATAGEN_BENCH_BARE_CLIENT") == "sglang" else None
 
 
 def _session() -> requests.Session:
@@ -50,8 +45,6 @@ def _session() -> requests.Session:
 def generate(self: Task, dataset: str, sample_id: str) -> int:
     p = _PAYLOADS[f"{dataset}/{sample_id}"]
     rid = new_rid(dataset, _SERVER)  # the pipeline's own rid: the same body, byte for byte
-    if _CLIENT is not None:
-        return _CLIENT.generate(_SERVER, rid, p["input_ids"], p["sampling"]).completion_tokens
     body = {"rid": rid, "input_ids": p["input_ids"],
             "sampling_params": p["sampling"], "stream": False}
     resp = _session().post(f"{_SERVER}/generate", json=body,

@@ -1,9 +1,9 @@
 """The worker's per-task steps in isolation, one at a time and grouped (µs per call).
 
 Single thread, sequential calls, same data, side by side:
-  * the /generate call: a ``requests`` session (``trust_env`` on: proxy and netrc lookups
-    in os.environ on every request; and off) vs ``SGLangClient.generate`` (one kept-alive
-    plain-HTTP connection per thread, minimal response parsing);
+  * the /generate call: a bare ``requests`` session (``trust_env`` on: proxy and netrc
+    lookups in os.environ on every request; and off) vs ``SGLangClient.generate`` (the
+    same, ``trust_env`` off, with its error sorting and the answer's checks);
   * a prompt read and a result's store one at a time (``Store.prompt``,
     ``Store.save_result``) vs 8 at a time as the worker's groups do (``Store.prompts``,
     ``Store.save_results``), per prompt;

@@ -2,11 +2,10 @@
 
 An instant simulator (``--decode-tok-per-s 0 --mean-output-tokens 16``) makes the worker
 the bottleneck. Legs alternate in one run: full pipeline on SQLite, on PostgreSQL, then
-the bare task (same options, same messages, same HTTP call), in reverse every other
-round. Targets: pipeline / bare
-≥ 0.8 and ≥ 400 completions/s. ``--profile`` adds a leg under py-spy (first database of
-``--dbs``), and one of the bare task with the same client when ``--bare-sglang`` is given,
-so their per-task CPU can be compared step by step.
+the bare task (same options, same messages, the same HTTP call through ``requests``), in
+reverse every other round. Targets: pipeline / bare ≥ 0.8 and ≥ 400 completions/s.
+``--profile`` adds a leg under py-spy (first database of ``--dbs``) and one of the bare
+task, so their per-task CPU can be compared step by step.
 ``--baseline DIR`` adds, in each round, a leg per database whose worker runs the code of
 another checkout (e.g. ``git archive HEAD | tar -x -C DIR``): old and new side by side.
 ``--workers N`` runs every leg, bare ones included, on N worker processes of
@@ -65,8 +64,6 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--profile", action="store_true",
                    help="one more leg under py-spy, on the first of --dbs")
     p.add_argument("--baseline", type=Path, help="a checkout whose worker code to compare with")
-    p.add_argument("--bare-sglang", action="store_true",
-                   help="one more bare leg whose call goes through SGLangClient, not requests")
     args = p.parse_args(argv)
     args.samples = args.samples or (600 if args.quick else 3000)
     args.rounds = args.rounds or (2 if args.quick else 3)
@@ -83,7 +80,6 @@ def _processes(value: str) -> int:
 
 
 BASELINE_SUFFIX = "@baseline"
-BARE_SGLANG = "bare-sglang"
 
 
 def one_leg(procs: Processes, sim: tuple[str, int], args: argparse.Namespace, kind: str,
@@ -97,13 +93,6 @@ def one_leg(procs: Processes, sim: tuple[str, int], args: argparse.Namespace, ki
     if kind == "bare":
         return bare_celery_leg(procs, "bare celery task", settings, sim, n, workers=w,
                                on_start=on_start)
-    if kind == BARE_SGLANG:
-        os.environ["DATAGEN_BENCH_BARE_CLIENT"] = "sglang"  # read by the workers it starts
-        try:
-            return bare_celery_leg(procs, "bare celery task, SGLangClient", settings, sim, n,
-                                   workers=w, on_start=on_start)
-        finally:
-            del os.environ["DATAGEN_BENCH_BARE_CLIENT"]
     if kind.endswith(BASELINE_SUFFIX):
         with workers_from(args.baseline):
             return pipeline_leg(procs, f"pipeline {kind}", settings, sim, n, workers=w)
@@ -247,16 +236,14 @@ def show_profile(prof: dict[str, Any], label: str) -> dict[str, Any]:
 
 def round_order(kinds: list[str], i: int) -> list[str]:
     """The legs of round ``i``: every other round in reverse, so that no leg always has the
-    same place in a round. With the same code as current and as baseline, the current
-    SQLite leg, always first, read a tenth faster than its copy, always third
-    (docs/PERFORMANCE_EXPERIMENTS.md, sixteenth round)."""
+    same place in a round: with the same code as current and as baseline, a leg always
+    run first read a tenth faster than its copy always run third."""
     return list(kinds) if i % 2 == 0 else kinds[::-1]
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     dbs = [k for k in args.dbs.split(",") if k]
-    kinds = dbs + ([d + BASELINE_SUFFIX for d in dbs] if args.baseline else []) + ["bare"] \
-        + ([BARE_SGLANG] if args.bare_sglang else [])
+    kinds = dbs + ([d + BASELINE_SUFFIX for d in dbs] if args.baseline else []) + ["bare"]
     legs: dict[str, list[Leg]] = {k: [] for k in kinds}
     prof: dict[str, Any] | None = None
     clean_workdir()
@@ -268,15 +255,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             for kind in round_order(kinds, i):
                 legs[kind].append(one_leg(procs, sim, args, kind))
         if args.profile:
-            prof = {"profile": profile_leg(procs, sim, args, dbs[0] if dbs else "sqlite")}
-            if args.bare_sglang:
-                prof["profile_bare_sglang"] = profile_leg(procs, sim, args, BARE_SGLANG)
+            prof = {"profile": profile_leg(procs, sim, args, dbs[0] if dbs else "sqlite"),
+                    "profile_bare": profile_leg(procs, sim, args, "bare")}
     return report(args, legs, prof)
 
 
 def report(args: argparse.Namespace, legs: dict[str, list[Leg]],
            prof: dict[str, Any] | None) -> dict[str, Any]:
-    bare, lean = legs["bare"], legs.get(BARE_SGLANG)
+    bare = legs["bare"]
     rows: list[tuple[str, ...]] = []
     figures: dict[str, Any] = {}
     for kind, runs in legs.items():
@@ -291,8 +277,7 @@ def report(args: argparse.Namespace, legs: dict[str, list[Leg]],
         redis_ms = Summary.of([leg.cpu_ms_per_task("redis") for leg in runs])
         machine_ms = Summary.of([leg.cpu_ms_per_task(MACHINE) for leg in runs])
         steal = Summary.of([100 * leg.cpu_s.get(STEAL, 0.0) / leg.window_s for leg in runs])
-        rows.append((runs[0].label, rate.fmt(), ratio.fmt(3),
-                     *([_ratios(runs, lean).fmt(3)] if lean else []), worker_ms.fmt(2),
+        rows.append((runs[0].label, rate.fmt(), ratio.fmt(3), worker_ms.fmt(2),
                      worker_cs.fmt(1), consumer_ms.fmt(2), sim_ms.fmt(2), sim_core.fmt(0),
                      redis_ms.fmt(2), machine_ms.fmt(2), steal.fmt(0)))
         figures[kind] = {"rate": rate, "ratio_to_bare": ratio, "worker_cpu_ms_per_task":
@@ -303,12 +288,9 @@ def report(args: argparse.Namespace, legs: dict[str, list[Leg]],
                          "redis_cpu_ms_per_task": redis_ms,
                          "machine_cpu_ms_per_task": machine_ms, "steal_core_pct": steal,
                          "worker_processes": max(leg.worker_processes for leg in runs)}
-        if lean:
-            figures[kind]["ratio_to_bare_sglang_client"] = _ratios(runs, lean)
     table(f"overhead at max rate: {args.samples} samples/leg, {args.rounds} rounds, "
           f"{args.workers} worker process(es) at c={args.concurrency} (median [min-max])",
-          ["leg", "completions/s", "ratio to bare",
-           *(["ratio to bare, SGLangClient"] if lean else []), "worker CPU ms/task",
+          ["leg", "completions/s", "ratio to bare", "worker CPU ms/task",
            "worker switches/task", "consumer (main thread) CPU ms/task",
            "sim CPU ms/task", "sim % of a core",
            "Redis CPU ms/task", "machine CPU ms/task", "steal % of a core"], rows)
@@ -318,7 +300,7 @@ def report(args: argparse.Namespace, legs: dict[str, list[Leg]],
           [(k, verdict(r, TARGET_RATE), verdict(q, TARGET_RATIO)) for k, r, q in checks])
     for key, p in (prof or {}).items():
         figures[key] = show_profile(p, "pipeline worker" if key == "profile" else
-                                    "bare task (same client) worker")
+                                    "bare task worker")
     return figures
 
 

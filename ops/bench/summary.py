@@ -40,17 +40,12 @@ def _saturation(r: Any) -> list[Row]:
 
 def _overhead(r: Any, bench: str = "overhead", where: str = "") -> list[Row]:
     rows = [_row(bench, f"bare Celery task (requests), completions/s{where}",
-                 _med(r, "bare", "rate"), ",.0f", "-", None),
-            _row(bench, f"bare Celery task (same HTTP client), completions/s{where}",
-                 _med(r, "bare-sglang", "rate"), ",.0f", "-", None)]
+                 _med(r, "bare", "rate"), ",.0f", "-", None)]
     for kind in ("sqlite", "postgresql"):
         rows.append(_row(bench, f"pipeline {kind}, completions/s{where}",
                          _med(r, kind, "rate"), ",.0f", ">= 400", lambda v: v >= 400))
         rows.append(_row(bench, f"pipeline {kind} / bare (requests){where}",
                          _med(r, kind, "ratio_to_bare"), ".3f", ">= 0.8", lambda v: v >= 0.8))
-        rows.append(_row(bench, f"pipeline {kind} / bare (same HTTP client){where}",
-                         _med(r, kind, "ratio_to_bare_sglang_client"), ".3f", ">= 0.8",
-                         lambda v: v >= 0.8))
     return rows
 
 
