@@ -98,19 +98,37 @@ def _values(row: Any, columns: tuple[str, ...], **extra: Any) -> dict[str, Any]:
     return {**{c: getattr(row, c) for c in columns}, **extra}
 
 
-def _by_keys(table: sa.Table, keys: Iterable[tuple[str, str]]) -> sa.ColumnElement[bool]:
-    """A WHERE for (dataset, sample_id) keys of ``table``, as ORs of pairs: both databases
-    look each one up in the primary key that way, whereas SQLite scans the whole table
-    for a row-value IN."""
-    return sa.or_(*(sa.and_(table.c.dataset == dataset, table.c.sample_id == sample_id)
-                    for dataset, sample_id in keys))
+def _by_keys(table: sa.Table, n: int) -> sa.ColumnElement[bool]:
+    """A WHERE for n (dataset, sample_id) keys of ``table``, bound as d0, s0, d1, ... (see
+    ``_key_params``). As ORs of pairs: both databases look each one up in the primary key
+    that way, whereas SQLite scans the whole table for a row-value IN."""
+    return sa.or_(*(sa.and_(table.c.dataset == sa.bindparam(f"d{i}"),
+                            table.c.sample_id == sa.bindparam(f"s{i}")) for i in range(n)))
 
 
-_PROMPT_READ = sa.select(
-    prompts.c.dataset, prompts.c.sample_id, prompts.c.state, prompt_inputs.c.input_ids,
-    prompts.c.prompt_tokens, prompts.c.max_new_tokens, prompts.c.attempts,
-).join(prompt_inputs, sa.and_(prompt_inputs.c.dataset == prompts.c.dataset,
-                              prompt_inputs.c.sample_id == prompts.c.sample_id))
+def _key_params(keys: Iterable[tuple[str, str]]) -> dict[str, str]:
+    params = {}
+    for i, (dataset, sample_id) in enumerate(keys):
+        params[f"d{i}"], params[f"s{i}"] = dataset, sample_id
+    return params
+
+
+# The statements for n keys are built once and kept: SQLAlchemy then finds a kept
+# statement's compiled form without walking the statement again for its cache key.
+@functools.lru_cache(maxsize=128)
+def _prompts_read(n: int) -> sa.Select[Any]:
+    return sa.select(
+        prompts.c.dataset, prompts.c.sample_id, prompts.c.state, prompt_inputs.c.input_ids,
+        prompts.c.prompt_tokens, prompts.c.max_new_tokens, prompts.c.attempts,
+    ).join(prompt_inputs, sa.and_(prompt_inputs.c.dataset == prompts.c.dataset,
+                                  prompt_inputs.c.sample_id == prompts.c.sample_id),
+           ).where(_by_keys(prompts, n))
+
+
+@functools.lru_cache(maxsize=128)
+def _mark_done(n: int) -> sa.Update:
+    return (sa.update(prompts).where(_by_keys(prompts, n))
+            .values(state="done", error=None, updated_at=sa.bindparam("now")))
 
 
 class Store:
@@ -118,6 +136,14 @@ class Store:
         """``connections``: most connections to PostgreSQL this store holds at once."""
         self.url = url
         self.engine = make_engine(url, connections)
+
+    @functools.cached_property
+    def _inserts(self) -> tuple[Any, Any, Any]:
+        """This dialect's INSERT ... ON CONFLICT DO NOTHING into prompts, prompt_inputs and
+        results (the last RETURNING the keys it stored)."""
+        return (insert_ignore(self.engine, prompts), insert_ignore(self.engine, prompt_inputs),
+                insert_ignore(self.engine, results).returning(results.c.dataset,
+                                                              results.c.sample_id))
 
     def describe(self) -> str:
         """The database's URL without its password, for messages."""
@@ -229,12 +255,11 @@ class Store:
         if not rows:
             return
         now = utcnow()  # a prompt's two stamps equal, as the schema's defaults would not be
+        into_prompts, into_inputs, _ = self._inserts
         with self.engine.begin() as conn:
-            conn.execute(insert_ignore(self.engine, prompts),
-                         [_values(r, _PROMPT_COLUMNS, created_at=now, updated_at=now)
-                          for r in rows])
-            conn.execute(insert_ignore(self.engine, prompt_inputs),
-                         [_values(r, _PROMPT_INPUT_COLUMNS) for r in rows])
+            conn.execute(into_prompts, [_values(r, _PROMPT_COLUMNS, created_at=now,
+                                                updated_at=now) for r in rows])
+            conn.execute(into_inputs, [_values(r, _PROMPT_INPUT_COLUMNS) for r in rows])
 
     def refresh_statistics(self) -> None:
         """PostgreSQL: gather the planner's statistics on the prompt tables (no-op on SQLite,
@@ -300,9 +325,10 @@ class Store:
         One SELECT for all of them, whatever their datasets."""
         if not keys:
             return []
-        query = _PROMPT_READ.where(_by_keys(prompts, dict.fromkeys(keys)))
+        unique = dict.fromkeys(keys)
         with self.engine.connect() as conn:
-            found = {(r.dataset, r.sample_id): PromptRow(*r) for r in conn.execute(query)}
+            found = {(r.dataset, r.sample_id): PromptRow(*r)
+                     for r in conn.execute(_prompts_read(len(unique)), _key_params(unique))}
         return [found.get(key) for key in keys]
 
     def record_attempt(self, dataset: str, sample_id: str, error: str, count: bool = True) -> int:
@@ -348,15 +374,13 @@ class Store:
             return set()
         now = utcnow()
         # RETURNING, not rowcount: psycopg reports -1 for ON CONFLICT DO NOTHING.
-        insert = insert_ignore(self.engine, results).returning(results.c.dataset,
-                                                               results.c.sample_id)
-        done = (sa.update(prompts).where(_by_keys(prompts, (r.key for r in rows)))
-                .values(state="done", error=None, updated_at=now))
+        *_, into_results = self._inserts
+        keys = dict.fromkeys(r.key for r in rows)
         with self.engine.begin() as conn:
-            stored = conn.execute(insert, [_values(r, _RESULT_COLUMNS, created_at=now)
-                                           for r in rows])
+            stored = conn.execute(into_results, [_values(r, _RESULT_COLUMNS, created_at=now)
+                                                 for r in rows])
             inserted = {(dataset, sample_id) for dataset, sample_id in stored}
-            conn.execute(done)
+            conn.execute(_mark_done(len(keys)), {"now": now, **_key_params(keys)})
         return inserted
 
     def has_result(self, dataset: str, sample_id: str) -> bool:
