@@ -145,6 +145,15 @@ class Store:
                 insert_ignore(self.engine, results).returning(results.c.dataset,
                                                               results.c.sample_id))
 
+    def _reading(self) -> sa.Connection:
+        """A connection for one statement that only reads. On PostgreSQL in autocommit: a
+        transaction around it would cost a BEGIN and a ROLLBACK, a round trip each, for
+        nothing (on SQLite, leaving autocommit costs a statement of its own)."""
+        conn = self.engine.connect()
+        if self.engine.dialect.name == "postgresql":
+            conn.execution_options(isolation_level="AUTOCOMMIT")
+        return conn
+
     def describe(self) -> str:
         """The database's URL without its password, for messages."""
         return self.engine.url.render_as_string(hide_password=True)
@@ -326,7 +335,7 @@ class Store:
         if not keys:
             return []
         unique = dict.fromkeys(keys)
-        with self.engine.connect() as conn:
+        with self._reading() as conn:
             found = {(r.dataset, r.sample_id): PromptRow(*r)
                      for r in conn.execute(_prompts_read(len(unique)), _key_params(unique))}
         return [found.get(key) for key in keys]
