@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import uuid
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
@@ -14,9 +15,9 @@ import sqlalchemy as sa
 from common.budget import Budget
 from common.db import insert_ignore, make_engine
 from common.errors import UnknownDatasetError
-from common.schema import INPUT_COLUMNS, datasets, meta, metadata, prompts, results, utcnow
+from common.rows import NewPrompt, ResultRow
+from common.schema import datasets, meta, prompt_inputs, prompts, results, utcnow
 from common.settings import DEFAULT_DB_CONNECTIONS
-from common.tokenids import unpack
 
 
 @dataclass(frozen=True)
@@ -81,188 +82,53 @@ def _cost(budget: Budget) -> sa.ColumnElement[int]:
     return results.c.completion_tokens
 
 
-# The group commit's statements are written for the driver directly: SQLAlchemy's
-# per-row parameter handling of a 15-column INSERT cost more CPU than the database did.
-_RESULT_COLUMNS = (
-    "dataset", "sample_id", "rid", "prompt_tokens", "completion_tokens", "cached_tokens",
-    "reasoning_tokens", "finish_reason", "finish_detail", "output_ids", "output_text",
-    "e2e_latency_s", "server", "model", "created_at",
-)
+def _columns(table: sa.Table, row_type: type[Any]) -> tuple[str, ...]:
+    """The columns of ``table`` that ``row_type`` has a field for."""
+    names = {f.name for f in dataclasses.fields(row_type)}
+    return tuple(c.name for c in table.c if c.name in names)
 
 
-def _placeholder(dialect: sa.Dialect) -> str:
-    if dialect.paramstyle == "qmark":
-        return "?"
-    if dialect.paramstyle in ("format", "pyformat"):
-        return "%s"
-    raise NotImplementedError(f"paramstyle {dialect.paramstyle} of {dialect.name}")
+_PROMPT_COLUMNS = _columns(prompts, NewPrompt)
+_PROMPT_INPUT_COLUMNS = _columns(prompt_inputs, NewPrompt)
+_RESULT_COLUMNS = _columns(results, ResultRow)
 
 
-# The worker's group statements (a group's SELECT, INSERT and UPDATE) reach psycopg as
-# written, through a RawCursor with numbered placeholders: psycopg parses a statement
-# written with %s for its placeholders on every execution once it has more than 50
-# parameters (its cache stops there), and at a group's size that parsing was about half the
-# worker's time in its shared commit.
-def _numbered(dialect: sa.Dialect, sql: str) -> str:
-    """The statement as PostgreSQL takes it ($1, $2, ...); SQLite's as it is."""
-    if dialect.name != "postgresql":
-        return sql
-    parts = sql.split("%s")
-    return parts[0] + "".join(f"${i}{part}" for i, part in enumerate(parts[1:], 1))
+def _values(row: Any, columns: tuple[str, ...], **extra: Any) -> dict[str, Any]:
+    """A typed row's parameters for ``columns``, with ``extra`` ones (its timestamps)."""
+    return {**{c: getattr(row, c) for c in columns}, **extra}
 
 
-def _run_as_written(engine: sa.Engine, sql: str, params: tuple[Any, ...],
-                    binary: bool = False) -> list[tuple[Any, ...]]:
-    """PostgreSQL: run one statement as written ($1, $2, ...) and return its rows, its
-    errors raised as SQLAlchemy's.
-
-    A single statement needs no transaction, so it runs in autocommit: no BEGIN before it,
-    no COMMIT after it. It goes to psycopg on a pooled connection directly: through a
-    SQLAlchemy connection with the autocommit option, the worker spent 2-9% more CPU a
-    sample (docs/PERFORMANCE_EXPERIMENTS.md, "Eighth round"). ``binary``: the rows come
-    in PostgreSQL's binary format, where a bytea as text is hex, twice its size (a prompt
-    read returns every prompt's token ids).
-    """
-    import psycopg
-
-    pooled = None
-    try:
-        # The pool's checkout check runs as for any other use; a refused connection comes
-        # out of it as psycopg's error, like a failed statement.
-        pooled = engine.raw_connection()
-        driver: Any = pooled.driver_connection
-        driver.autocommit = True
-        try:
-            with psycopg.RawCursor(driver) as cur:
-                cur.execute(sql, params, binary=binary)
-                return cur.fetchall()
-        finally:
-            _back_to_transactions(pooled, driver)
-    except psycopg.Error as exc:
-        raise sa.exc.DBAPIError.instance(sql, params, exc, psycopg.Error,
-                                         dialect=engine.dialect) from exc
-    finally:
-        if pooled is not None:
-            pooled.close()
+def _by_keys(table: sa.Table, n: int) -> sa.ColumnElement[bool]:
+    """A WHERE for n (dataset, sample_id) keys of ``table``, bound as d0, s0, d1, ... (see
+    ``_key_params``). As ORs of pairs: both databases look each one up in the primary key
+    that way, whereas SQLite scans the whole table for a row-value IN."""
+    return sa.or_(*(sa.and_(table.c.dataset == sa.bindparam(f"d{i}"),
+                            table.c.sample_id == sa.bindparam(f"s{i}")) for i in range(n)))
 
 
-def _back_to_transactions(pooled: Any, driver: Any) -> None:
-    """Return the connection to the pool as SQLAlchemy expects it (not in autocommit), or
-    drop it: a pooled connection left in autocommit would make every later transaction
-    on it a series of separate commits."""
-    if not driver.broken and not driver.closed:
-        try:
-            driver.autocommit = False
-            return
-        except Exception:  # whatever it is, the connection is dropped below
-            pass
-    pooled.invalidate()
-
-
-@functools.cache
-def _results_insert_text(dialect: sa.Dialect, columns: tuple[str, ...], n: int) -> str:
-    quote, ph = dialect.identifier_preparer.quote, _placeholder(dialect)
-    values = "(" + ", ".join([ph] * len(columns)) + ")"
-    return (f"INSERT INTO results ({', '.join(quote(c) for c in columns)}) "
-            f"VALUES {', '.join([values] * n)} ON CONFLICT DO NOTHING RETURNING dataset, sample_id")
-
-
-@functools.cache
-def _encoders(dialect: sa.Dialect, table: str, columns: tuple[str, ...]) -> tuple[Any, ...]:
-    """Each column's SQLAlchemy bind processor (packing, JSON, SQLite timestamps) or None."""
-    t = metadata.tables[table]
-    return tuple(t.c[c].type.dialect_impl(dialect).bind_processor(dialect) for c in columns)
-
-
-def _by_columns(rows: Sequence[dict[str, Any]]) -> dict[tuple[str, ...], list[dict[str, Any]]]:
-    """The rows by the set of keys they have (normally one set): each set is one INSERT, and
-    a column a row leaves out gets the database's default, as with SQLAlchemy."""
-    by_columns: dict[tuple[str, ...], list[dict[str, Any]]] = {}
-    for row in rows:
-        columns = tuple(c for c in _RESULT_COLUMNS if c in row or c == "created_at")
-        by_columns.setdefault(columns, []).append(row)
-    return by_columns
-
-
-def _insert_params(dialect: sa.Dialect, columns: tuple[str, ...],
-                   rows: Sequence[dict[str, Any]], now: datetime) -> list[Any]:
-    encoders = _encoders(dialect, "results", columns)
-    params: list[Any] = []
-    for row in rows:
-        values = [row.get(c) for c in columns]
-        values[-1] = values[-1] or now  # created_at comes last
-        params += [v if f is None else f(v) for v, f in zip(values, encoders, strict=True)]
+def _key_params(keys: Iterable[tuple[str, str]]) -> dict[str, str]:
+    params = {}
+    for i, (dataset, sample_id) in enumerate(keys):
+        params[f"d{i}"], params[f"s{i}"] = dataset, sample_id
     return params
 
 
-@functools.cache
-def _by_keys(dialect: sa.Dialect, n: int, table: str = "") -> str:
-    """A WHERE for n (dataset, sample_id) keys of prompts (``table``: a qualifier such as
-    ``p.``). Written as ORs: both databases look each one up in the primary key that way,
-    whereas SQLite scans the whole index for a row-value IN."""
-    ph = _placeholder(dialect)
-    return " OR ".join([f"({table}dataset = {ph} AND {table}sample_id = {ph})"] * n)
+# The statements for n keys are built once and kept: SQLAlchemy then finds a kept
+# statement's compiled form without walking the statement again for its cache key.
+@functools.lru_cache(maxsize=128)
+def _prompts_read(n: int) -> sa.Select[Any]:
+    return sa.select(
+        prompts.c.dataset, prompts.c.sample_id, prompts.c.state, prompt_inputs.c.input_ids,
+        prompts.c.prompt_tokens, prompts.c.max_new_tokens, prompts.c.attempts,
+    ).join(prompt_inputs, sa.and_(prompt_inputs.c.dataset == prompts.c.dataset,
+                                  prompt_inputs.c.sample_id == prompts.c.sample_id),
+           ).where(_by_keys(prompts, n))
 
 
-@functools.cache
-def _prompts_select_sql(dialect: sa.Dialect, n: int) -> str:
-    return _numbered(dialect, "SELECT p.dataset, p.sample_id, p.state, i.input_ids, "
-                     "p.prompt_tokens, p.max_new_tokens, p.attempts FROM prompts p "
-                     "JOIN prompt_inputs i ON i.dataset = p.dataset AND i.sample_id = p.sample_id "
-                     f"WHERE {_by_keys(dialect, n, 'p.')}")
-
-
-@functools.cache
-def _mark_done_text(dialect: sa.Dialect, n: int) -> str:
-    ph = _placeholder(dialect)
-    return (f"UPDATE prompts SET state = 'done', error = NULL, updated_at = {ph} "
-            f"WHERE {_by_keys(dialect, n)}")
-
-
-def _mark_done_params(dialect: sa.Dialect, rows: Sequence[dict[str, Any]],
-                      now: datetime) -> list[Any]:
-    (stamp,) = _encoders(dialect, "prompts", ("updated_at",))
-    return [stamp(now) if stamp else now,
-            *(v for row in rows for v in (row["dataset"], row["sample_id"]))]
-
-
-@functools.cache
-def _settle_sql(dialect: sa.Dialect, inserts: tuple[tuple[tuple[str, ...], int], ...],
-                n: int) -> str:
-    """PostgreSQL: a group's INSERTs (by columns and row count) and the UPDATE marking its
-    n prompts done, as one statement: atomic on its own, so it needs no transaction, and
-    one round trip where BEGIN, the statements and COMMIT took one each."""
-    parts = [f"i{k} AS ({_results_insert_text(dialect, columns, count)})"
-             for k, (columns, count) in enumerate(inserts)]
-    parts.append(f"done AS ({_mark_done_text(dialect, n)})")
-    inserted = " UNION ALL ".join(f"SELECT dataset, sample_id FROM i{k}"
-                                  for k in range(len(inserts)))
-    return _numbered(dialect, f"WITH {', '.join(parts)} {inserted}")
-
-
-@functools.lru_cache(maxsize=32)  # keyed by engine dialect: one entry per Store in practice
-def _prompt_insert(
-    dialect: sa.Dialect, table: str, keys: tuple[str, ...]
-) -> tuple[str, Callable[[Sequence[dict[str, Any]]], list[tuple[Any, ...]]]]:
-    """The INSERT ... ON CONFLICT DO NOTHING into prompts or prompt_inputs of rows with
-    these keys, as the driver takes it, and a function turning rows into its parameters
-    (timestamps not given are the chunk's ``now``)."""
-    columns = metadata.tables[table].c
-    stamps = tuple(k for k in ("created_at", "updated_at") if k in columns and k not in keys)
-    names = [*keys, *stamps]
-    quote, ph = dialect.identifier_preparer.quote, _placeholder(dialect)
-    sql = (f"INSERT INTO {table} ({', '.join(quote(c) for c in names)}) "
-           f"VALUES ({', '.join([ph] * len(names))}) ON CONFLICT DO NOTHING")
-    encoders = _encoders(dialect, table, keys)
-    (stamp,) = _encoders(dialect, "prompts", ("created_at",))
-
-    def params(rows: Sequence[dict[str, Any]]) -> list[tuple[Any, ...]]:
-        now = utcnow()
-        tail = tuple(stamp(now) if stamp else now for _ in stamps)
-        return [(*[row[k] if f is None else f(row[k]) for k, f in zip(keys, encoders, strict=True)],
-                 *tail) for row in rows]
-
-    return sql, params
+@functools.lru_cache(maxsize=128)
+def _mark_done(n: int) -> sa.Update:
+    return (sa.update(prompts).where(_by_keys(prompts, n))
+            .values(state="done", error=None, updated_at=sa.bindparam("now")))
 
 
 class Store:
@@ -270,6 +136,23 @@ class Store:
         """``connections``: most connections to PostgreSQL this store holds at once."""
         self.url = url
         self.engine = make_engine(url, connections)
+
+    @functools.cached_property
+    def _inserts(self) -> tuple[Any, Any, Any]:
+        """This dialect's INSERT ... ON CONFLICT DO NOTHING into prompts, prompt_inputs and
+        results (the last RETURNING the keys it stored)."""
+        return (insert_ignore(self.engine, prompts), insert_ignore(self.engine, prompt_inputs),
+                insert_ignore(self.engine, results).returning(results.c.dataset,
+                                                              results.c.sample_id))
+
+    def _reading(self) -> sa.Connection:
+        """A connection for one statement that only reads. On PostgreSQL in autocommit: a
+        transaction around it would cost a BEGIN and a ROLLBACK, a round trip each, for
+        nothing (on SQLite, leaving autocommit costs a statement of its own)."""
+        conn = self.engine.connect()
+        if self.engine.dialect.name == "postgresql":
+            conn.execution_options(isolation_level="AUTOCOMMIT")
+        return conn
 
     def describe(self) -> str:
         """The database's URL without its password, for messages."""
@@ -376,20 +259,16 @@ class Store:
         with self.engine.connect() as conn:
             return {sid: state for sid, state in conn.execute(q)}
 
-    def insert_prompts(self, rows: Sequence[dict[str, Any]]) -> None:
-        """Store new prompts in one transaction, each row with its ``messages`` and
-        ``input_ids``; a prompt stored before is left as it is."""
+    def insert_prompts(self, rows: Sequence[NewPrompt]) -> None:
+        """Store new prompts in one transaction; a prompt stored before is left as it is."""
         if not rows:
             return
-        split = {"prompts": tuple(k for k in rows[0] if k not in INPUT_COLUMNS),
-                 "prompt_inputs": ("dataset", "sample_id", *INPUT_COLUMNS)}
+        now = utcnow()  # a prompt's two stamps equal, as the schema's defaults would not be
+        into_prompts, into_inputs, _ = self._inserts
         with self.engine.begin() as conn:
-            for table, keys in split.items():
-                # SQLAlchemy's per-row parameter handling costs the producer more than the
-                # database's insert itself; the same column encoders, applied here in one
-                # pass, store exactly the same values.
-                sql, params = _prompt_insert(self.engine.dialect, table, keys)
-                conn.exec_driver_sql(sql, params(rows))
+            conn.execute(into_prompts, [_values(r, _PROMPT_COLUMNS, created_at=now,
+                                                updated_at=now) for r in rows])
+            conn.execute(into_inputs, [_values(r, _PROMPT_INPUT_COLUMNS) for r in rows])
 
     def refresh_statistics(self) -> None:
         """PostgreSQL: gather the planner's statistics on the prompt tables (no-op on SQLite,
@@ -399,7 +278,7 @@ class Store:
         of keys of one dataset through ix_prompts_dataset_state, every row of the dataset,
         rather than through the primary key: at 88,000 prompts in one dataset a group's
         store took 42 ms instead of 1.4. Autovacuum gathers them in time, where it runs;
-        this does not wait for it (docs/PERFORMANCE_EXPERIMENTS.md, "Twenty-first round").
+        this does not wait for it.
         """
         if self.engine.dialect.name != "postgresql":
             return
@@ -455,16 +334,10 @@ class Store:
         One SELECT for all of them, whatever their datasets."""
         if not keys:
             return []
-        unique = list(dict.fromkeys(keys))
-        sql = _prompts_select_sql(self.engine.dialect, len(unique))
-        params = tuple(v for key in unique for v in key)
-        if self.engine.dialect.name == "postgresql":
-            rows: Sequence[Any] = _run_as_written(self.engine, sql, params, binary=True)
-        else:
-            with self.engine.connect() as conn:
-                rows = conn.exec_driver_sql(sql, params).all()
-        found = {(r[0], r[1]): PromptRow(r[0], r[1], r[2], unpack(bytes(r[3])), r[4], r[5], r[6])
-                 for r in rows}
+        unique = dict.fromkeys(keys)
+        with self._reading() as conn:
+            found = {(r.dataset, r.sample_id): PromptRow(*r)
+                     for r in conn.execute(_prompts_read(len(unique)), _key_params(unique))}
         return [found.get(key) for key in keys]
 
     def record_attempt(self, dataset: str, sample_id: str, error: str, count: bool = True) -> int:
@@ -499,33 +372,24 @@ class Store:
 
     # -- results --------------------------------------------------------------------------
 
-    def save_result(self, row: dict[str, Any]) -> bool:
+    def save_result(self, row: ResultRow) -> bool:
         """Store one result and mark its prompt done, atomically; False if it already existed."""
-        return (row["dataset"], row["sample_id"]) in self.save_results([row])
+        return row.key in self.save_results([row])
 
-    def save_results(self, rows: Sequence[dict[str, Any]]) -> set[tuple[str, str]]:
+    def save_results(self, rows: Sequence[ResultRow]) -> set[tuple[str, str]]:
         """Store results and mark their prompts done, all in one transaction (one commit
         for many samples); returns the (dataset, sample_id) of those not stored before."""
         if not rows:
             return set()
-        dialect, now = self.engine.dialect, utcnow()
-        by_columns = _by_columns(rows)
+        now = utcnow()
         # RETURNING, not rowcount: psycopg reports -1 for ON CONFLICT DO NOTHING.
-        if dialect.name == "postgresql":
-            sql = _settle_sql(dialect, tuple((c, len(same)) for c, same in by_columns.items()),
-                              len(rows))
-            params = [v for c, same in by_columns.items()
-                      for v in _insert_params(dialect, c, same, now)]
-            params += _mark_done_params(dialect, rows, now)
-            return {(d, sid) for d, sid in _run_as_written(self.engine, sql, tuple(params))}
-        inserted: set[tuple[str, str]] = set()
+        *_, into_results = self._inserts
+        keys = dict.fromkeys(r.key for r in rows)
         with self.engine.begin() as conn:
-            for columns, same in by_columns.items():
-                sql = _results_insert_text(dialect, columns, len(same))
-                params = _insert_params(dialect, columns, same, now)
-                inserted.update((d, sid) for d, sid in conn.exec_driver_sql(sql, tuple(params)))
-            conn.exec_driver_sql(_mark_done_text(dialect, len(rows)),
-                                 tuple(_mark_done_params(dialect, rows, now)))
+            stored = conn.execute(into_results, [_values(r, _RESULT_COLUMNS, created_at=now)
+                                                 for r in rows])
+            inserted = {(dataset, sample_id) for dataset, sample_id in stored}
+            conn.execute(_mark_done(len(keys)), {"now": now, **_key_params(keys)})
         return inserted
 
     def has_result(self, dataset: str, sample_id: str) -> bool:

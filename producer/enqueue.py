@@ -12,7 +12,6 @@ from collections import deque
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any
 
 from celery import Celery
 
@@ -21,6 +20,7 @@ from common.errors import ConfigError
 from common.ledger import Ledger
 from common.publish import Publisher
 from common.reconcile import reconcile_dataset
+from common.rows import NewPrompt
 from common.store import DatasetRow, Store
 from producer.plan import DatasetPlan
 from producer.reader import PromptRecord, ReadReport, read_dataset
@@ -199,7 +199,7 @@ class Enqueuer:
             # not wait for the end of a load that takes minutes.
             self.store.refresh_statistics()
             self._analyzed = True
-        new = [row["sample_id"] for row in rows if row["state"] == "queued"]
+        new = [row.sample_id for row in rows if row.state == "queued"]
         to_send, skipped = lost + new, len(rows) - len(new)
         if not to_send or self.ledger.is_closed(plan.name):
             return _Written(summary, read, 0, skipped)
@@ -229,7 +229,7 @@ class Enqueuer:
 
     def _prompt_rows(
         self, plan: DatasetPlan, fresh: list[PromptRecord], ids: list[list[int]]
-    ) -> list[dict[str, Any]]:
+    ) -> list[NewPrompt]:
         max_seq = self.limits.max_seq_len
         rows = []
         for record, input_ids in zip(fresh, ids, strict=True):
@@ -239,15 +239,15 @@ class Enqueuer:
                 state = "skipped"
                 error = f"prompt is {len(input_ids)} tokens; no room to generate within " \
                         f"max_seq_len {max_seq}"
-            rows.append({
-                "dataset": plan.name,
-                "sample_id": record.sample_id,
-                "state": state,
-                "messages": list(record.messages),
-                "input_ids": input_ids,
-                "prompt_tokens": len(input_ids),
-                "max_new_tokens": max(0, min(plan.max_new_tokens, room)),
-                "source": record.source,
-                "error": error,
-            })
+            rows.append(NewPrompt(
+                dataset=plan.name,
+                sample_id=record.sample_id,
+                state=state,
+                messages=list(record.messages),
+                input_ids=input_ids,
+                prompt_tokens=len(input_ids),
+                max_new_tokens=max(0, min(plan.max_new_tokens, room)),
+                source=record.source,
+                error=error,
+            ))
         return rows

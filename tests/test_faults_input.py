@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 import redis
 
+from common.rows import ResultRow
 from common.settings import Settings
 from common.store import Store
 from ops.cli import main
@@ -42,12 +43,12 @@ def cli(*argv: str) -> int:
 
 
 def fake_result(store: Store, dataset: str, sample_id: str) -> None:
-    store.save_result({
-        "dataset": dataset, "sample_id": sample_id, "rid": "r-1", "prompt_tokens": 3,
-        "completion_tokens": 2, "finish_reason": "stop", "finish_detail": {"type": "stop"},
-        "output_ids": [7, 8], "output_text": "ok", "e2e_latency_s": 0.1, "server": "s",
-        "model": "m",
-    })
+    store.save_result(ResultRow(
+        dataset=dataset, sample_id=sample_id, rid="r-1", prompt_tokens=3,
+        completion_tokens=2, finish_reason="stop", finish_detail={"type": "stop"},
+        output_ids=[7, 8], output_text="ok", e2e_latency_s=0.1, server="s",
+        model="m",
+    ))
 
 
 def test_bad_lines_are_named_by_file_and_line_and_nothing_stored_is_lost(

@@ -4,6 +4,7 @@ error never settling another task's row wrongly."""
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -12,25 +13,33 @@ import pytest
 import sqlalchemy as sa
 from sqlalchemy import exc as sa_exc
 
-from common.schema import prompts, results, utcnow
+from common.rows import NewPrompt, ResultRow
+from common.schema import prompts, results
 from common.store import Store
 from workers.results import ResultWriter
 
 
 def add_prompts(store: Store, n: int, dataset: str = "w") -> None:
-    now = utcnow()
-    store.insert_prompts([{"dataset": dataset, "sample_id": f"s{i}", "state": "queued",
-                           "messages": [], "input_ids": [1, 2], "prompt_tokens": 2,
-                           "max_new_tokens": 8, "created_at": now, "updated_at": now}
+    store.insert_prompts([NewPrompt(dataset=dataset, sample_id=f"s{i}", state="queued",
+                                    messages=[], input_ids=[1, 2], prompt_tokens=2,
+                                    max_new_tokens=8, source=None)
                           for i in range(n)])
 
 
-def row(i: int, dataset: str = "w", **over: Any) -> dict[str, Any]:
-    return {"dataset": dataset, "sample_id": f"s{i}", "rid": f"r{i}", "prompt_tokens": 2,
-            "completion_tokens": 3, "cached_tokens": 0, "reasoning_tokens": 0,
-            "finish_reason": "stop", "finish_detail": {"type": "stop"}, "output_ids": [7, 8, 9],
-            "output_text": "abc", "e2e_latency_s": 0.1, "server": "http://s", "model": "m",
-            **over}
+def row(i: int, dataset: str = "w", **over: Any) -> ResultRow:
+    return ResultRow(**{
+        "dataset": dataset, "sample_id": f"s{i}", "rid": f"r{i}", "prompt_tokens": 2,
+        "completion_tokens": 3, "cached_tokens": 0, "reasoning_tokens": 0,
+        "finish_reason": "stop", "finish_detail": {"type": "stop"}, "output_ids": [7, 8, 9],
+        "output_text": "abc", "e2e_latency_s": 0.1, "server": "http://s", "model": "m",
+        **over})
+
+
+def bare(i: int, rid: str = "") -> ResultRow:
+    """A row that leaves the optional fields to their defaults."""
+    return ResultRow(dataset="w", sample_id=f"s{i}", rid=rid or f"r{i}", prompt_tokens=2,
+                     completion_tokens=3, finish_reason="stop", output_ids=[7, 8, 9],
+                     output_text="abc", server="http://s", model="m")
 
 
 def stored(store: Store) -> dict[str, Any]:
@@ -152,8 +161,8 @@ def test_a_group_with_samples_stored_before_reports_only_the_new_ones(db_url: st
     store = Store(db_url)
     add_prompts(store, 4)
     assert store.save_results([row(1, rid="first")]) == {("w", "s1")}
-    # Across column sets too: s3 leaves out a column, so it goes in its own INSERT.
-    bare3 = {k: v for k, v in row(3, rid="again").items() if k != "cached_tokens"}
+    # A row leaving its optional fields to their defaults is stored in the same group.
+    bare3 = bare(3, rid="again")
     assert store.save_results([row(0), row(1, rid="again"), row(2), bare3]) == {
         ("w", "s0"), ("w", "s2"), ("w", "s3")}
     assert store.save_results([row(2, rid="third"), bare3]) == set()
@@ -163,12 +172,12 @@ def test_a_group_with_samples_stored_before_reports_only_the_new_ones(db_url: st
     assert stored(store) == {"results": 4, "states": {"done": 4}}
 
 
-def test_rows_written_for_the_driver_read_back_as_sqlalchemy_writes_them(db_url: str) -> None:
+def test_rows_read_back_as_a_plain_sqlalchemy_insert_writes_them(db_url: str) -> None:
     store = Store(db_url)
     add_prompts(store, 2)
     fast = row(0, finish_detail={"type": "length", "length": 3}, e2e_latency_s=None,
                output_text="é ✓ 'quoted'", output_ids=[0, 2**32 - 1, 17])
-    core = {**fast, "sample_id": "s1"}
+    core = dataclasses.asdict(fast) | {"sample_id": "s1"}
     assert store.save_results([fast]) == {("w", "s0")}
     with store.engine.begin() as conn:
         conn.execute(sa.insert(results), [core])
@@ -187,33 +196,30 @@ def test_rows_written_for_the_driver_read_back_as_sqlalchemy_writes_them(db_url:
     assert prompt_rows["s1"].state == "queued"
 
 
-def test_columns_a_row_leaves_out_get_the_database_default(db_url: str) -> None:
+def test_fields_a_row_leaves_out_are_stored_as_their_defaults(db_url: str) -> None:
     store = Store(db_url)
     add_prompts(store, 3)
-    bare = {k: v for k, v in row(0).items() if k not in ("cached_tokens", "reasoning_tokens")}
-    assert store.save_results([bare, row(1, cached_tokens=5)]) == {("w", "s0"), ("w", "s1")}
+    assert store.save_results([bare(0), row(1, cached_tokens=5)]) == {("w", "s0"), ("w", "s1")}
     with store.engine.connect() as conn:
         got = dict(conn.execute(sa.select(results.c.sample_id, results.c.cached_tokens)).all())
     assert got == {"s0": 0, "s1": 5}
 
 
-def test_a_connection_takes_sqlalchemy_statements_again_after_group_statements(
-    db_url: str,
-) -> None:
-    """The group statements run on PostgreSQL through a raw cursor ($1 placeholders); the
-    pooled connection must come back to SQLAlchemy as it was, also after a failure."""
+def test_a_connection_serves_other_statements_after_a_failed_group(db_url: str) -> None:
+    """A group's statements, failed or not, leave their pooled connection as the next
+    statements expect it: back in the pool, in a transaction of its own."""
     store = Store(db_url)
     add_prompts(store, 3)
     assert store.prompts([("w", "s0")])[0] is not None
     assert store.save_results([row(0)]) == {("w", "s0")}
     with pytest.raises(sa_exc.IntegrityError):
         store.save_results([row(1, model=None)])  # NULL in a NOT NULL column
-    # Statements SQLAlchemy compiles (named parameters), on the same pooled connection.
+    # Other statements, on the same pooled connection.
     assert store.prompt_counts("w") == {"done": 1, "queued": 2}
     assert store.has_result("w", "s0") and not store.has_result("w", "s1")
     assert store.engine.pool.checkedin() == 1  # one connection served every statement
     if store.engine.dialect.name == "postgresql":
-        # Group statements run in autocommit; a connection left so would turn every later
-        # transaction on it into separate commits.
+        # A connection left in autocommit would turn every later transaction on it into
+        # separate commits.
         with store.engine.connect() as conn:
             assert conn.connection.driver_connection.autocommit is False  # type: ignore[union-attr]

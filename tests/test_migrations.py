@@ -11,6 +11,7 @@ import sqlalchemy as sa
 import common.migrations
 from common.db import pooled_engine
 from common.errors import DatagenError
+from common.rows import NewPrompt, ResultRow
 from common.schema import datasets, meta, prompts, results, utcnow
 from common.store import Store
 from common.tokenids import TokenIds
@@ -83,7 +84,11 @@ def test_an_old_database_is_upgraded_on_first_use_and_keeps_every_prompt(db_url:
     assert (exported.sample_id, exported.messages, exported.input_ids) == (
         "s0", _old_rows()[0]["messages"], [0])
     # The upgraded database takes new prompts and settles them like any other.
-    store.insert_prompts([{**_old_rows()[1], "sample_id": "new", "state": "queued"}])
+    old = _old_rows()[1]
+    store.insert_prompts([NewPrompt(
+        dataset=old["dataset"], sample_id="new", state="queued",
+        prompt_tokens=old["prompt_tokens"], max_new_tokens=old["max_new_tokens"],
+        source=old["source"], messages=old["messages"], input_ids=old["input_ids"])])
     assert store.save_results([_result("new")]) == {("old", "new")}
     assert store.prompt_counts("old") == {"done": 11, "queued": 30}
     # A second process finds nothing to do.
@@ -91,11 +96,11 @@ def test_an_old_database_is_upgraded_on_first_use_and_keeps_every_prompt(db_url:
     assert again.prompt("old", "s5") == store.prompt("old", "s5")
 
 
-def _result(sample_id: str) -> dict[str, Any]:
-    return {"dataset": "old", "sample_id": sample_id, "rid": f"r-{sample_id}",
-            "prompt_tokens": 2, "completion_tokens": 3, "finish_reason": "stop",
-            "output_ids": [1, 2, 3], "output_text": "abc", "server": "http://sglang",
-            "model": "m"}
+def _result(sample_id: str) -> ResultRow:
+    return ResultRow(dataset="old", sample_id=sample_id, rid=f"r-{sample_id}",
+                     prompt_tokens=2, completion_tokens=3, finish_reason="stop",
+                     output_ids=[1, 2, 3], output_text="abc", server="http://sglang",
+                     model="m")
 
 
 def test_processes_starting_at_once_upgrade_it_once(db_url: str) -> None:

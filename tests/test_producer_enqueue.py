@@ -6,18 +6,20 @@ from __future__ import annotations
 import json
 from collections import Counter
 from pathlib import Path
+from typing import Any
 
-import psycopg
 import pytest
 import redis
+import sqlalchemy as sa
 
 from common.audit import sample_of
 from common.budget import Budget
 from common.celery_app import make_celery
 from common.keys import dataset_keys
 from common.ledger import Ledger
+from common.rows import ResultRow
 from common.settings import Settings
-from common.store import Store, _mark_done_text, _numbered, _prompts_select_sql
+from common.store import Store
 from producer import enqueue as enqueue_module
 from producer.enqueue import Enqueuer, Limits
 from producer.plan import plans_from_paths
@@ -168,14 +170,25 @@ def test_after_a_load_postgresql_finds_a_group_of_one_dataset_by_its_primary_key
     # a group through the (dataset, state) index: every row of the dataset, for each group.
     settings = make_settings(_fresh_postgres(), "http://127.0.0.1:9")
     _run(settings, templater, [_write(tmp_path, "one", 5000)])
-    dialect = Store(settings.database_url).engine.dialect
-    keys = tuple(v for i in range(0, 5000, 160) for v in ("one", f"one-{i}"))
-    statements = ((_prompts_select_sql(dialect, 32), keys),
-                  (_numbered(dialect, _mark_done_text(dialect, 32)), ("2026-01-01", *keys)))
-    url = settings.database_url.replace("+psycopg", "")
-    with psycopg.connect(url) as conn, psycopg.RawCursor(conn) as cur:
-        for sql, params in statements:  # as the worker sends them ($1, $2, ...)
-            cur.execute("EXPLAIN " + sql, params)
-            plan = "\n".join(row[0] for row in cur.fetchall())
+    store = Store(settings.database_url)
+    keys = [("one", f"one-{i}") for i in range(0, 5000, 160)]
+    sent: list[tuple[str, Any]] = []
+
+    def record(conn: Any, cursor: Any, statement: str, params: Any, *_: Any) -> None:
+        if statement.lstrip().startswith(("SELECT", "UPDATE")):
+            sent.append((statement, params))
+
+    # The statements a worker's group sends, as the store sends them: its read and the
+    # UPDATE of its commit.
+    sa.event.listen(store.engine, "before_cursor_execute", record)
+    assert all(store.prompts(keys))
+    store.save_results([ResultRow(dataset=d, sample_id=sid, rid=sid, prompt_tokens=1,
+                                  completion_tokens=1, finish_reason="stop", output_ids=[1],
+                                  output_text="x", server="s", model="m") for d, sid in keys])
+    sa.event.remove(store.engine, "before_cursor_execute", record)
+    assert len(sent) == 2
+    with store.engine.connect() as conn:
+        for statement, params in sent:
+            plan = "\n".join(conn.exec_driver_sql("EXPLAIN " + statement, params).scalars())
             assert "prompts_pkey" in plan, plan
             assert "ix_prompts_dataset_state" not in plan, plan

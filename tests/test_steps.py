@@ -17,6 +17,7 @@ from sqlalchemy.exc import OperationalError
 
 from common.budget import Budget
 from common.ledger import Charge, ChargeResult, Ledger
+from common.rows import ResultRow
 from common.settings import Settings
 from common.store import Store
 from tests.helpers import assert_invariants, context_for, enqueue_paths, write_dataset
@@ -139,14 +140,18 @@ def test_a_row_that_cannot_be_built_fails_only_its_sample(
     assert store.prompt_counts("onebad") == {"done": 7, "queued": 1}
 
 
+ROW = ResultRow(dataset="d", sample_id="s", rid="r", prompt_tokens=1, completion_tokens=16,
+                finish_reason="stop", output_ids=[1] * 16, output_text="x", server="s", model="m")
+
+
 @pytest.mark.parametrize(("settled", "acked"), [
-    (steps.Settled(ChargeResult(Charge.CHARGED, 16, 100, False, 0), {}, True), True),
-    (steps.Settled(ChargeResult(Charge.CHARGED, 16, 100, False, 0), {}, False), True),
+    (steps.Settled(ChargeResult(Charge.CHARGED, 16, 100, False, 0), ROW, True), True),
+    (steps.Settled(ChargeResult(Charge.CHARGED, 16, 100, False, 0), ROW, False), True),
     (steps.Settled(ChargeResult(Charge.REFUSED, 0, 100, False, 0), None), True),
     # The close comes after a crossing charge; a charge made before may be priced again.
-    (steps.Settled(ChargeResult(Charge.CHARGED, 16, 100, True, 3), {}, True), False),
-    (steps.Settled(ChargeResult(Charge.DUPLICATE, 16, 100, False, 0), {}, True), False),
-    (steps.Settled(ChargeResult(Charge.CHARGED, 16, 100, False, 0), {},
+    (steps.Settled(ChargeResult(Charge.CHARGED, 16, 100, True, 3), ROW, True), False),
+    (steps.Settled(ChargeResult(Charge.DUPLICATE, 16, 100, False, 0), ROW, True), False),
+    (steps.Settled(ChargeResult(Charge.CHARGED, 16, 100, False, 0), ROW,
                    error=OperationalError("INSERT", {}, Exception("gone"))), False),
 ])
 def test_a_group_acks_only_what_its_task_has_finished(settled: steps.Settled,

@@ -16,6 +16,7 @@ from common.celery_app import make_celery
 from common.errors import IncompatibleServer
 from common.ledger import Ledger
 from common.publish import Publisher
+from common.rows import NewPrompt
 from common.settings import Settings
 from common.sglang_client import parse_completion
 from common.store import Store
@@ -221,9 +222,10 @@ def test_a_retry_redis_never_takes_is_given_up_after_its_window(
 def test_a_worker_starting_on_prompts_without_statistics_gathers_them(
     settings: Settings, store: Store
 ) -> None:
-    store.insert_prompts([{"dataset": "ds", "sample_id": f"s{i}", "state": "queued",
-                           "messages": [{"role": "user", "content": "hi"}], "input_ids": [1, 2],
-                           "prompt_tokens": 2, "max_new_tokens": 8} for i in range(20)])
+    store.insert_prompts([NewPrompt(dataset="ds", sample_id=f"s{i}", state="queued",
+                                    messages=[{"role": "user", "content": "hi"}],
+                                    input_ids=[1, 2], prompt_tokens=2, max_new_tokens=8,
+                                    source=None) for i in range(20)])
     prepare(create_app(settings))
     # Gathered by the start (PostgreSQL), so there is nothing left to gather.
     assert store.ensure_statistics() is False

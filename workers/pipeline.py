@@ -115,7 +115,7 @@ def keep(ctx: WorkerContext, ds: DatasetRow, sample_id: str, completion: Complet
         inserted = settled.inserted
     if charge.status is Charge.DUPLICATE and inserted and row is not None:
         # Charged before a crash that lost the store: price the result now kept.
-        cost = ds.budget.cost(row["prompt_tokens"], row["completion_tokens"])
+        cost = ds.budget.cost(row.prompt_tokens, row.completion_tokens)
         ctx.ledger.recharge(ds.name, sample_id, cost, ctx.store.store_id)
     if charge.crossed:
         log.info("dataset %s crossed its budget at %d tokens; purged %d queued",

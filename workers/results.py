@@ -7,9 +7,8 @@ while every task still returns, and is acked, only after its own row is durable.
 
 from __future__ import annotations
 
-from typing import Any
-
 from common.db import UNAVAILABLE
+from common.rows import ResultRow
 from common.store import Store
 from workers.grouping import LINGER_S, MAX_GROUP, GroupCall, Outcomes
 
@@ -24,7 +23,7 @@ class ResultWriter:
     def __init__(self, store: Store, max_group: int = MAX_GROUP,
                  linger_s: float = LINGER_S) -> None:
         self.store = store
-        self._group: GroupCall[dict[str, Any], bool] = GroupCall(
+        self._group: GroupCall[ResultRow, bool] = GroupCall(
             lambda rows: commit_rows(store, rows), max_group=max_group, linger_s=linger_s)
 
     @property
@@ -35,12 +34,12 @@ class ResultWriter:
     def rows(self) -> int:
         return self._group.items
 
-    def save(self, row: dict[str, Any]) -> bool:
+    def save(self, row: ResultRow) -> bool:
         """Store the result and mark its prompt done; False if it was stored before."""
         return self._group(row)
 
 
-def commit_rows(store: Store, rows: list[dict[str, Any]]) -> Outcomes[bool]:
+def commit_rows(store: Store, rows: list[ResultRow]) -> Outcomes[bool]:
     """Store rows in one transaction: for each, whether it was new, or its own error.
 
     A database that does not answer raises for all: every row's task waits it out."""
@@ -50,7 +49,7 @@ def commit_rows(store: Store, rows: list[dict[str, Any]]) -> Outcomes[bool]:
     # other learns it is a duplicate (as it would in a later transaction).
     first: dict[tuple[str, str], int] = {}
     for i, row in enumerate(rows):
-        first.setdefault(_key(row), i)
+        first.setdefault(row.key, i)
     try:
         inserted = store.save_results([rows[i] for i in first.values()])
     except UNAVAILABLE:
@@ -60,15 +59,11 @@ def commit_rows(store: Store, rows: list[dict[str, Any]]) -> Outcomes[bool]:
             return [exc]
         # One bad row must not fail the others: store them one by one.
         return [_commit_alone(store, row) for row in rows]
-    return [first[_key(row)] == i and _key(row) in inserted for i, row in enumerate(rows)]
+    return [first[row.key] == i and row.key in inserted for i, row in enumerate(rows)]
 
 
-def _commit_alone(store: Store, row: dict[str, Any]) -> bool | BaseException:
+def _commit_alone(store: Store, row: ResultRow) -> bool | BaseException:
     try:
         return commit_rows(store, [row])[0]
     except Exception as exc:
         return exc
-
-
-def _key(row: dict[str, Any]) -> tuple[str, str]:
-    return row["dataset"], row["sample_id"]

@@ -13,12 +13,13 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import redis
 
 from common.db import UNAVAILABLE
 from common.ledger import Admission, AdmitArgs, Charge, ChargeArgs, ChargeResult
+from common.rows import ResultRow
 from common.sglang_client import Completion
 from common.store import DatasetRow, PromptRow
 from workers.results import commit_rows
@@ -41,7 +42,7 @@ class Settled:
     """A sample's charge, and what became of its row."""
 
     charge: ChargeResult
-    row: dict[str, Any] | None  # None: the charge refused the sample, nothing to store
+    row: ResultRow | None  # None: the charge refused the sample, nothing to store
     inserted: bool = False
     error: BaseException | None = None  # the store's error; the charge stands
 
@@ -69,7 +70,7 @@ def settle_group(ctx: WorkerContext, items: list[SettleItem]) -> list[Settled]:
     charges = ctx.ledger.charge_many([
         ChargeArgs(ds.name, sample_id, c.rid, c.prompt_tokens, c.completion_tokens)
         for ds, sample_id, c, _ in items], ctx.store.store_id)
-    rows: dict[int, dict[str, Any]] = {}
+    rows: dict[int, ResultRow] = {}
     failed: dict[int, Exception] = {}
     for i, ((ds, sample_id, c, _), charge) in enumerate(zip(items, charges, strict=True)):
         if charge.status is not Charge.REFUSED:
@@ -113,26 +114,26 @@ def _ack_finished(ctx: WorkerContext, tags: list[str]) -> None:
 
 def result_row(
     ctx: WorkerContext, ds: DatasetRow, sample_id: str, c: Completion, charge: ChargeResult
-) -> dict[str, Any]:
+) -> ResultRow:
     ids, text, finish = c.output_ids, c.text, c.finish_type
     if charge.status is Charge.CHARGED and charge.kept_completion_tokens < c.completion_tokens:
         ids = ids[: charge.kept_completion_tokens]
         decode = ctx.decoder(ds.tokenizer)
         text = decode(ids) if decode else ""
         finish = "budget"
-    return {
-        "dataset": ds.name,
-        "sample_id": sample_id,
-        "rid": c.rid,
-        "prompt_tokens": c.prompt_tokens,
-        "completion_tokens": len(ids),
-        "cached_tokens": c.cached_tokens,
-        "reasoning_tokens": min(c.reasoning_tokens, len(ids)),
-        "finish_reason": finish,
-        "finish_detail": c.finish_detail,
-        "output_ids": ids,
-        "output_text": text,
-        "e2e_latency_s": c.e2e_latency_s,
-        "server": c.server,
-        "model": ctx.client.model(c.server),
-    }
+    return ResultRow(
+        dataset=ds.name,
+        sample_id=sample_id,
+        rid=c.rid,
+        prompt_tokens=c.prompt_tokens,
+        completion_tokens=len(ids),
+        cached_tokens=c.cached_tokens,
+        reasoning_tokens=min(c.reasoning_tokens, len(ids)),
+        finish_reason=finish,
+        finish_detail=c.finish_detail,
+        output_ids=ids,
+        output_text=text,
+        e2e_latency_s=c.e2e_latency_s,
+        server=c.server,
+        model=ctx.client.model(c.server),
+    )

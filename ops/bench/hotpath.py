@@ -30,6 +30,7 @@ import sqlalchemy as sa
 from common.budget import Budget
 from common.db import pooled_engine
 from common.ledger import AdmitArgs, ChargeArgs, Ledger
+from common.rows import ResultRow
 from common.sglang_client import SGLangClient
 from common.store import Store
 from ops.bench.harness import Processes, bench_settings, fresh_db, fresh_redis, start_sim
@@ -86,14 +87,14 @@ def http_cases(url: str, payloads: list[dict[str, Any]]) -> dict[str, Callable[[
 def sql_cases(store: Store, keys: list[tuple[str, str]]) -> dict[str, Callable[[int], Any]]:
     fresh = itertools.count()  # every rep stores new rows, never a duplicate one
 
-    def row(i: int, tag: str) -> dict[str, Any]:
+    def row(i: int, tag: str) -> ResultRow:
         ds, sid = keys[i % len(keys)]
-        return {"dataset": ds, "sample_id": f"{sid}-{tag}-{next(fresh)}",
-                "rid": uuid.uuid4().hex,
-                "prompt_tokens": 300, "completion_tokens": 16, "cached_tokens": 0,
-                "reasoning_tokens": 0, "finish_reason": "stop", "finish_detail": {"type": "stop"},
-                "output_ids": list(range(16)), "output_text": "t" * 60, "e2e_latency_s": 0.01,
-                "server": "http://127.0.0.1:9", "model": "sim"}
+        return ResultRow(dataset=ds, sample_id=f"{sid}-{tag}-{next(fresh)}",
+                         rid=uuid.uuid4().hex,
+                         prompt_tokens=300, completion_tokens=16, cached_tokens=0,
+                         reasoning_tokens=0, finish_reason="stop", finish_detail={"type": "stop"},
+                         output_ids=list(range(16)), output_text="t" * 60, e2e_latency_s=0.01,
+                         server="http://127.0.0.1:9", model="sim")
 
     def grouped(i: int) -> Any:
         if i % GROUP == 0:

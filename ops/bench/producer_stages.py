@@ -23,6 +23,7 @@ from tokenizers import Tokenizer
 
 from common.celery_app import make_celery
 from common.publish import Publisher
+from common.rows import NewPrompt
 from common.store import Store
 from ops.bench.harness import bench_settings, fresh_db, fresh_redis
 from ops.bench.report import Summary, table
@@ -88,9 +89,9 @@ class Loop:
         return a + b
 
     def store_publish(self, ds: str, chunk: list[PromptRecord], ids: list[list[int]]) -> None:
-        rows = [{"dataset": ds, "sample_id": r.sample_id, "state": "queued",
-                 "messages": list(r.messages), "input_ids": i, "prompt_tokens": len(i),
-                 "max_new_tokens": 16384, "source": r.source, "error": None}
+        rows = [NewPrompt(dataset=ds, sample_id=r.sample_id, state="queued",
+                          messages=list(r.messages), input_ids=i, prompt_tokens=len(i),
+                          max_new_tokens=16384, source=r.source, error=None)
                 for r, i in zip(chunk, ids, strict=True)]
         self.store.insert_prompts(rows)
         self.pub.publish(ds, f"{ds}@bench", [r.sample_id for r in chunk])
