@@ -8,21 +8,30 @@ tasks twice.
 
 from __future__ import annotations
 
+import ssl
 from typing import Any
 
 from celery import Celery
 
-from common.broker import broker_ssl, transport_for
+from common.keys import KOMBU_UNACKED, KOMBU_UNACKED_INDEX
 from common.settings import Settings
 
 GENERATE_TASK = "datagen.generate"
 STAMP = "dataset"
 
 
+def broker_ssl(url: str) -> dict[str, Any] | None:
+    """Celery's ``broker_use_ssl`` for ``url``: the server's certificate checked.
+
+    kombu's Redis transport turns TLS on for a ``rediss://`` URL by itself, but without
+    these options it does not verify the server (it warns, and uses ``CERT_NONE``). The
+    URL's own ``ssl_*`` parameters still win: kombu reads them over these."""
+    return {"ssl_cert_reqs": ssl.CERT_REQUIRED} if url.startswith("rediss://") else None
+
+
 def celery_config(settings: Settings) -> dict[str, Any]:
     return {
         "broker_url": settings.redis_url,
-        "broker_transport": transport_for(settings.redis_url),
         "broker_use_ssl": broker_ssl(settings.redis_url),
         "broker_transport_options": {
             "visibility_timeout": settings.visibility_timeout_s,
@@ -35,6 +44,10 @@ def celery_config(settings: Settings) -> dict[str, Any]:
             # them in vain: with one step, a message of any priority goes to the queue's
             # own list and a look costs one pop a queue. Purges still clear all four lists.
             "priority_steps": [0],
+            # Named, though they are kombu's defaults: the reaper and the audit read these
+            # two keys (workers/liveness.py, common/audit.py).
+            "unacked_key": KOMBU_UNACKED,
+            "unacked_index_key": KOMBU_UNACKED_INDEX,
             "socket_timeout": 30,
             "socket_connect_timeout": 5,
             "health_check_interval": 25,

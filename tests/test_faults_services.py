@@ -41,7 +41,7 @@ from tests.faultkit_stack import Outcome, Stack, enqueue, wait_busy, write_manif
 from tests.helpers import enqueue_paths, running_worker, write_dataset
 
 RECOVERY_LIMIT_S = 60.0
-# Well under the sweep (SWEEP_EVERY_S) and the visibility timeout.
+# Well under the sweep (Settings.sweep_s) and the visibility timeout.
 OUTAGE_RECOVERY_S = 30.0
 PACED = {"decode_tok_per_s": 150, "mean_output_tokens": 80, "max_running_requests": 64}
 
@@ -52,9 +52,15 @@ def private_redis() -> Iterator[PrivateRedis]:
         yield server
 
 
-def _stack(tmp: Path, db: str, redis_server: PrivateRedis, sim: Sim, **kw: object) -> Stack:
+# A worker killed between kombu's BRPOP of a message and its unacked record leaves the
+# message nowhere in Redis: the workers' SQL sweep sends it again, here within seconds.
+QUICK_SWEEP = {"sweep_s": 3.0, "sweep_quiet_s": 10.0}
+
+
+def _stack(tmp: Path, db: str, redis_server: PrivateRedis, sim: Sim,
+           sweep: dict[str, float] | None = None, **kw: object) -> Stack:
     settings = make_settings(db, sim.url, redis_url=redis_server.url, heartbeat_s=1.0,
-                             dead_after_s=5.0)
+                             dead_after_s=5.0, **(sweep or {}))
     return Stack(settings, tmp, sim, redis=redis_server, **kw)  # type: ignore[arg-type]
 
 
@@ -70,7 +76,8 @@ def test_worker_sigkills_lose_nothing_and_leave_no_reservation(
     """A killed worker's reservations are freed by the reaper, as its messages are: left
     behind, they would hold the dataset's admission short of its budget for good."""
     with Sim(tmp_path / "sim.jsonl", **PACED) as sim:
-        stack = _stack(tmp_path, f"sqlite:///{tmp_path / 'db.sqlite'}", private_redis, sim)
+        stack = _stack(tmp_path, f"sqlite:///{tmp_path / 'db.sqlite'}", private_redis, sim,
+                       sweep=QUICK_SWEEP)
         out = worker_kill(stack, per_dataset=100, kills=2)
     out.check.assert_ok()  # every prompt settled once, counters = SQL, no reservation left
     assert len(out.faults) == 2 and all("SIGKILL" in f for f in out.faults)
@@ -79,11 +86,12 @@ def test_worker_sigkills_lose_nothing_and_leave_no_reservation(
 
 
 def test_worker_sigkills_over_tls_lose_nothing(tmp_path: Path) -> None:
-    """``rediss://`` takes the same transport as ``redis://``: the workers, the producer
+    """``rediss://`` takes kombu's Redis transport over TLS: the workers, the producer
     and the reaper reach a TLS-only Redis that they verify, and killed workers lose
     nothing."""
     with PrivateTlsRedis() as server, Sim(tmp_path / "sim.jsonl", **PACED) as sim:
-        stack = _stack(tmp_path, f"sqlite:///{tmp_path / 'db.sqlite'}", server, sim)
+        stack = _stack(tmp_path, f"sqlite:///{tmp_path / 'db.sqlite'}", server, sim,
+                       sweep=QUICK_SWEEP)
         out = worker_kill(stack, per_dataset=100, kills=2)
     out.check.assert_ok()
     assert len(out.faults) == 2 and out.check.states == {"done": 200}

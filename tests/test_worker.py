@@ -6,12 +6,10 @@ import time
 from pathlib import Path
 
 import pytest
-import redis
 import requests
 from celery.exceptions import Reject
 from kombu.exceptions import OperationalError
 
-from common import broker
 from common.celery_app import make_celery
 from common.errors import IncompatibleServer
 from common.ledger import Ledger
@@ -62,35 +60,6 @@ def test_the_shared_steps_are_sized_to_the_threads_the_worker_runs(
         ctx = get_context(app)
         assert (ctx.admissions.max_group, ctx.settlements.max_group) == (4, 4)
     assert store.prompt_counts("sized") == {"done": 8}
-
-
-def test_messages_of_tasks_settled_together_are_acked_together(
-    settings: Settings, store: Store, ledger: Ledger, sim: str, tmp_path: Path,
-    redis_client: redis.Redis,
-) -> None:
-    calls: list[list[str]] = []
-    with running_worker(settings, concurrency=16) as app:
-        ctx = get_context(app)
-        shared_ack = ctx.ack_settled
-        assert shared_ack is not None
-
-        def counted(tags: list[str]) -> None:
-            calls.append(list(tags))
-            shared_ack(tags)
-
-        ctx.ack_settled = counted
-        enqueue_paths(settings, [str(write_dataset(tmp_path, "acked", 48))])
-        wait_settled(store, ["acked"])
-        deadline = time.monotonic() + 10
-        while redis_client.hlen("unacked") and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert redis_client.hlen("unacked") == 0
-    acked = [tag for call in calls for tag in call]
-    assert len(set(acked)) == len(acked) == 48 and len(calls) < 48
-    # Each task's own ack found its tag and kept the rest of kombu's bookkeeping local.
-    assert not set(acked) & broker.QoS.removed
-    assert store.prompt_counts("acked") == {"done": 48}
-    assert_invariants(store, ledger, ["acked"])
 
 
 def test_a_400_is_recorded_and_not_retried(
