@@ -40,9 +40,9 @@ def celery_config(settings: Settings) -> dict[str, Any]:
             "unacked_restore_throttle": 1,
             "queue_order_strategy": "round_robin",
             # Every task is sent with priority 0, so kombu's three other lists per queue
-            # (steps 3, 6, 9) stay empty, and a worker's look for work would pop each of
+            # (steps 3, 6, 9) would stay empty, and a worker's BRPOP would name each of
             # them in vain: with one step, a message of any priority goes to the queue's
-            # own list and a look costs one pop a queue. Purges still clear all four lists.
+            # own list and a BRPOP names one list a queue. Purges still clear all four.
             "priority_steps": [0],
             # Named, though they are kombu's defaults: the reaper and the audit read these
             # two keys (workers/liveness.py, common/audit.py).
