@@ -163,6 +163,38 @@ def test_prompts_redis_lost_are_found_and_enqueued_again(
     assert store.prompt_counts("lost") == {"done": 8}
 
 
+def test_a_message_taken_by_a_worker_that_died_before_recording_it_is_swept_back(
+    settings: Settings, store: Store, ledger: Ledger, sim: str, tmp_path: Path
+) -> None:
+    """kombu's BRPOP takes a message and records it as unacked in a second round trip: a
+    worker killed in between leaves it nowhere in Redis, for neither the reaper nor the
+    visibility timeout. The workers' own SQL sweep publishes it again, and every prompt is
+    done once."""
+    from common.audit import queued_in_redis
+    from common.keys import dataset_keys
+    from workers.liveness import Heartbeat
+
+    enqueue_paths(settings, [str(write_dataset(tmp_path, "gap", 6))])
+    client = ledger.redis
+    for _ in range(2):  # what the dead worker's BRPOPs took
+        assert client.rpop(dataset_keys("gap").queue) is not None
+    assert len(queued_in_redis(client, "gap")) == 4
+    with running_worker(settings, concurrency=4) as app:
+        # What the worker's ready signal starts under `celery worker` (workers/app.py).
+        received = app.datagen_received  # type: ignore[attr-defined]
+        beat = Heartbeat(app, client, "sweeper@test", received, 0.5, 5.0, sweep_s=1.0,
+                         sweep_quiet_s=0.0)
+        beat.start()
+        try:
+            wait_settled(store, ["gap"], timeout_s=30)
+        finally:
+            beat.stop()
+    assert store.prompt_counts("gap") == {"done": 6}
+    assert_invariants(store, ledger, ["gap"])
+    done = [e for e in sim_log(sim) if e.get("status") == 200]
+    assert len(done) == 6, done  # the four still queued ran once, the two swept back once
+
+
 def test_a_retry_redis_never_takes_is_given_up_after_its_window(
     sqlite_url: str, sim: str, caplog: pytest.LogCaptureFixture
 ) -> None:
