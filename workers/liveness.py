@@ -268,9 +268,11 @@ class Heartbeat:
         if time.monotonic() < self._next_sweep:
             return
         self._next_sweep = time.monotonic() + self.sweep_s
-        if not self.client.set(SWEEPER_LOCK, "1", nx=True, ex=max(1, int(self.sweep_s))):
-            return
+        # The lock's SET inside the try too: an error escaping here would end the
+        # heartbeat's thread, and this worker would look dead to the others.
         try:
+            if not self.client.set(SWEEPER_LOCK, "1", nx=True, ex=max(1, int(self.sweep_s))):
+                return
             requeued = requeue_lost(get_context(self.app).store, self.client,
                                     Publisher(self.app), self.sweep_quiet_s)
             for name, n in requeued.items():
