@@ -41,7 +41,7 @@ from tests.faultkit_stack import Outcome, Stack, enqueue, wait_busy, write_manif
 from tests.helpers import enqueue_paths, running_worker, write_dataset
 
 RECOVERY_LIMIT_S = 60.0
-# Well under the sweep (Settings.sweep_s) and the visibility timeout.
+# Well under the default sweep (Settings.sweep_s) and the visibility timeout.
 OUTAGE_RECOVERY_S = 30.0
 PACED = {"decode_tok_per_s": 150, "mean_output_tokens": 80, "max_running_requests": 64}
 
@@ -52,9 +52,10 @@ def private_redis() -> Iterator[PrivateRedis]:
         yield server
 
 
-# A worker killed between kombu's BRPOP of a message and its unacked record leaves the
-# message nowhere in Redis: the workers' SQL sweep sends it again, here within seconds.
-QUICK_SWEEP = {"sweep_s": 3.0, "sweep_quiet_s": 10.0}
+# kombu's BRPOP takes a message and records it as unacked in a second round trip: a
+# worker killed in between, or a BRPOP reply lost in a cut connection, leaves the message
+# nowhere in Redis. The workers' SQL sweep sends it again, here within seconds.
+QUICK_SWEEP = {"sweep_s": 2.0, "sweep_quiet_s": 5.0}
 
 
 def _stack(tmp: Path, db: str, redis_server: PrivateRedis, sim: Sim,
@@ -136,12 +137,12 @@ def test_redis_connection_blip_costs_at_most_one_extra_request(
     private_redis: PrivateRedis, tmp_path: Path
 ) -> None:
     with Sim(tmp_path / "sim.jsonl", **PACED) as sim:
-        stack = _stack(tmp_path, f"sqlite:///{tmp_path / 'db.sqlite'}", private_redis, sim)
+        stack = _stack(tmp_path, f"sqlite:///{tmp_path / 'db.sqlite'}", private_redis, sim,
+                       sweep=QUICK_SWEEP)
         out = redis_blip(stack, per_dataset=40, blips=1, grace_s=8.0)
     out.check.assert_ok()  # no reservation left either (see the aimed blip below)
-    # Celery's consumer restart puts back every message the worker holds. Only a BRPOP
-    # whose reply a killed connection lost would leave a prompt to the sweep, and the blip
-    # comes with every slot busy: a worker with its prefetch full has no BRPOP out.
+    # Celery's consumer restart puts back every message the worker holds; a BRPOP reply lost
+    # with a killed connection is the workers' quick sweep's to send again.
     assert out.notes["stranded_until_sweep"] == 0
     assert out.check.states == {"done": 80}
     assert (out.check.lost, out.check.duplicated, out.check.drift) == (0, 0, 0)
@@ -156,7 +157,8 @@ def test_a_redis_outage_strands_no_prompt(private_redis: PrivateRedis, tmp_path:
     with OutageProxy(private_redis.port) as proxy, \
             Sim(tmp_path / "sim.jsonl", **PACED) as sim:
         settings = make_settings(f"sqlite:///{tmp_path / 'db.sqlite'}", sim.url,
-                                 redis_url=proxy.url, heartbeat_s=1.0, dead_after_s=5.0)
+                                 redis_url=proxy.url, heartbeat_s=1.0, dead_after_s=5.0,
+                                 **QUICK_SWEEP)
         stack = Stack(settings, tmp_path, sim, redis=private_redis, outage=proxy)
         out = redis_outage(stack, per_dataset=40, outages=1, down_s=4.0, grace_s=8.0)
     out.check.assert_ok()
