@@ -2,9 +2,9 @@
 
 A prompt stored as ``queued`` in SQL should have a message in its queue, or unacked in
 the transport (reserved by a worker, or in flight). Redis can lose one: a Redis restart
-without persistence, or a message taken by a consumer that records it apart from its pop
-(kombu's own BRPOP, with a transport other than common/broker.py's, such as Sentinel's)
-and dies in between. SQL remembers; this finds the difference.
+without persistence, or a worker killed between kombu's BRPOP of a message and the second
+round trip that records it as unacked (nothing in Redis holds it then). SQL remembers;
+this finds the difference.
 """
 
 from __future__ import annotations

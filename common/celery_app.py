@@ -8,21 +8,30 @@ tasks twice.
 
 from __future__ import annotations
 
+import ssl
 from typing import Any
 
 from celery import Celery
 
-from common.broker import broker_ssl, transport_for
+from common.keys import KOMBU_UNACKED, KOMBU_UNACKED_INDEX
 from common.settings import Settings
 
 GENERATE_TASK = "datagen.generate"
 STAMP = "dataset"
 
 
+def broker_ssl(url: str) -> dict[str, Any] | None:
+    """Celery's ``broker_use_ssl`` for ``url``: the server's certificate checked.
+
+    kombu's Redis transport turns TLS on for a ``rediss://`` URL by itself, but without
+    these options it does not verify the server (it warns, and uses ``CERT_NONE``). The
+    URL's own ``ssl_*`` parameters still win: kombu reads them over these."""
+    return {"ssl_cert_reqs": ssl.CERT_REQUIRED} if url.startswith("rediss://") else None
+
+
 def celery_config(settings: Settings) -> dict[str, Any]:
     return {
         "broker_url": settings.redis_url,
-        "broker_transport": transport_for(settings.redis_url),
         "broker_use_ssl": broker_ssl(settings.redis_url),
         "broker_transport_options": {
             "visibility_timeout": settings.visibility_timeout_s,
@@ -31,10 +40,14 @@ def celery_config(settings: Settings) -> dict[str, Any]:
             "unacked_restore_throttle": 1,
             "queue_order_strategy": "round_robin",
             # Every task is sent with priority 0, so kombu's three other lists per queue
-            # (steps 3, 6, 9) stay empty, and a worker's look for work would pop each of
+            # (steps 3, 6, 9) would stay empty, and a worker's BRPOP would name each of
             # them in vain: with one step, a message of any priority goes to the queue's
-            # own list and a look costs one pop a queue. Purges still clear all four lists.
+            # own list and a BRPOP names one list a queue. Purges still clear all four.
             "priority_steps": [0],
+            # Named, though they are kombu's defaults: the reaper and the audit read these
+            # two keys (workers/liveness.py, common/audit.py).
+            "unacked_key": KOMBU_UNACKED,
+            "unacked_index_key": KOMBU_UNACKED_INDEX,
             "socket_timeout": 30,
             "socket_connect_timeout": 5,
             "health_check_interval": 25,

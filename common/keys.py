@@ -30,15 +30,10 @@ No other module spells a key string; tests import these functions too.
     datagen:reaper                        string  the worker reaping dead ones    20 s
     datagen:sweeper                       string  the worker re-enqueueing lost    5 min
                                                   prompts (SQL queued, not in Redis)
-    datagen:unreadable                    list    workers' pop: messages it could  none
-                                                  not read, moved off their queue
-    datagen:consumer-wait                 list    never written: idle consumers    -
-                                                  BRPOP it as their wait
     datagen.q.{name} (+ kombu's \\x06\\x16{3,6,9} priority lists)
                                           list    kombu (Celery's Redis transport)
     unacked                               hash    kombu: delivery tag -> message  none
-                                                  delivered, not yet acked (and
-                                                  common/broker.py's shared acks)
+                                                  delivered, not yet acked
     unacked_index                         zset    kombu: delivery tag -> delivery none
                                                   time, beside ``unacked``
 """
@@ -55,10 +50,6 @@ STORE_ID = f"{PREFIX}:store"
 DATASETS = f"{PREFIX}:datasets"
 WORKERS = f"{PREFIX}:workers"
 REAPER_LOCK = f"{PREFIX}:reaper"
-# Messages a worker's pop could not read (common/broker.py), kept for a person to look at.
-UNREADABLE = f"{PREFIX}:unreadable"
-# A list nothing pushes to: an idle consumer's BRPOP on it is its wait between looks.
-CONSUMER_WAIT = f"{PREFIX}:consumer-wait"
 SWEEPER_LOCK = f"{PREFIX}:sweeper"
 QUEUE_PREFIX = f"{PREFIX}.q."
 
@@ -68,9 +59,9 @@ QUEUE_PREFIX = f"{PREFIX}.q."
 # older version or another client filled.
 KOMBU_PRIORITY_SEP = "\x06\x16"
 KOMBU_PRIORITY_STEPS = (0, 3, 6, 9)
-# kombu's Redis transport keeps delivered, unacked messages under these names by default;
-# ``celery_config`` sets no transport option that renames them (``global_keyprefix``,
-# ``unacked_key``), which a test checks against a channel the app opens.
+# kombu's Redis transport keeps delivered, unacked messages under these names (its
+# defaults); ``celery_config`` names them in its transport options and sets none that
+# renames them (``global_keyprefix``), which a test checks against a channel the app opens.
 KOMBU_UNACKED = "unacked"
 KOMBU_UNACKED_INDEX = "unacked_index"
 

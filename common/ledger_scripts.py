@@ -1,4 +1,4 @@
-"""The Lua scripts: the only writers of a dataset's ledger, and the broker's batched pop.
+"""The Lua scripts: the only writers of a dataset's ledger.
 
 Every key arrives through KEYS (built by common.keys); no key is spelled here. Each
 script runs atomically in Redis, so however many workers race, a sample is charged once
@@ -252,55 +252,3 @@ def batched_if_paired(script: str) -> str:
 ADMIT_MANY = batched_if_paired(ADMIT)
 CHARGE_MANY = batched_if_paired(CHARGE)
 RECHARGE_IF_PAIRED = batched_if_paired(RECHARGE)
-
-
-# Pops up to ARGV[2] messages (readable or not) from the queue lists in KEYS[4..] (a pass
-# over the lists takes one from each, in order) and records each one as kombu does on
-# delivery: its delivery tag in the unacked index (KEYS[1]) at ARGV[1], [message,
-# exchange, routing key] in the unacked hash (KEYS[2]). One atomic step: a message is
-# never out of its list without its record. A message it cannot read (no JSON, no
-# delivery tag) would stop its queue for good if it went back, and no worker could run
-# it: it moves to the list KEYS[3]. Returns {{list, message, list, message, ...}, number
-# of messages moved aside}. A list found empty is not looked at again in the same call
-# (nothing else runs meanwhile): a worker consumes every dataset's queue, finished ones
-# included, and a batch from one busy queue would otherwise cost a pass over them all
-# for each of its messages.
-POP_RECORDED = """
-local want, out, n, unreadable = tonumber(ARGV[2]), {}, 0, 0
--- The lists that gave a message in the last pass: live[1..m].
-local live, m = {}, 0
--- One pass over lists[from..to]: a message from each, while the batch has room. Writes
--- into live in place (it may be the lists read: a list is kept at or before its index).
-local function pass(lists, from, to)
-  local kept = 0
-  for j = from, to do
-    if n + unreadable >= want then break end
-    local list = lists[j]
-    local raw = redis.call('RPOP', list)
-    if raw then
-      kept = kept + 1
-      live[kept] = list
-      local ok, tag, exchange, key = pcall(function()
-        local props = cjson.decode(raw)['properties']
-        local info = props['delivery_info']
-        return props['delivery_tag'], cjson.encode(info['exchange']),
-               cjson.encode(info['routing_key'])
-      end)
-      if ok and type(tag) == 'string' then
-        redis.call('ZADD', KEYS[1], ARGV[1], tag)
-        redis.call('HSET', KEYS[2], tag, '[' .. raw .. ',' .. exchange .. ',' .. key .. ']')
-        n = n + 1
-        out[#out + 1] = list
-        out[#out + 1] = raw
-      else
-        redis.call('LPUSH', KEYS[3], raw)
-        unreadable = unreadable + 1
-      end
-    end
-  end
-  m = kept
-end
-pass(KEYS, 4, #KEYS)
-while n + unreadable < want and m > 0 do pass(live, 1, m) end
-return {out, unreadable}
-"""

@@ -52,6 +52,11 @@ class Settings:
     # Liveness: a worker silent for dead_after_s has its unacked messages returned at once.
     heartbeat_s: float = 5.0
     dead_after_s: float = 20.0
+    # The SQL sweep: every sweep_s one worker republishes the prompts SQL holds as queued,
+    # untouched for sweep_quiet_s, that Redis has neither queued nor unacked (a Redis that
+    # lost its data, or a worker killed between kombu's BRPOP of a message and its record).
+    sweep_s: float = 300.0
+    sweep_quiet_s: float = 300.0
     sglang_api_key: str = field(default="", repr=False)
 
     def __post_init__(self) -> None:

@@ -251,23 +251,6 @@ def test_the_overhead_legs_take_turns_in_each_place_of_a_round() -> None:
     assert set(places.values()) == {len(kinds) - 1}
 
 
-def test_the_pop_benchmark_measures_each_case_beside_a_baseline(tmp_path: Path,
-                                                                redis_client: redis.Redis) -> None:
-    """``ops.bench.pop``, cut short, with this checkout as its own baseline: every case is
-    measured for both scripts from Redis's own count."""
-    env = {**os.environ, "DATAGEN_BENCH_REDIS_URL": REDIS_URL, "DATAGEN_BENCH_DIR": str(tmp_path)}
-    done = subprocess.run(
-        [sys.executable, "-m", "ops.bench.pop", "--quick", "--messages", "200",
-         "--baseline", str(ROOT)], env=env, cwd=ROOT, capture_output=True, text=True,
-        timeout=300)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    result = next(json.loads(line.split(" ", 1)[1]) for line in done.stdout.splitlines()
-                  if line.startswith("bench-result "))
-    cases = result["usec_per_message"]
-    assert len(cases) == 2 * 3 * 4, sorted(cases)
-    assert all(v["median"] > 0 for v in cases.values()), cases
-
-
 def test_a_benchmark_run_alone_makes_its_directory(tmp_path: Path) -> None:
     """`python -m ops.bench.<name>` on a fresh machine: the simulator, usually the first
     thing a benchmark starts, takes the bench directory and makes it for its log."""

@@ -41,7 +41,7 @@ from tests.faultkit_stack import Outcome, Stack, enqueue, wait_busy, write_manif
 from tests.helpers import enqueue_paths, running_worker, write_dataset
 
 RECOVERY_LIMIT_S = 60.0
-# Well under the sweep (SWEEP_EVERY_S) and the visibility timeout.
+# Well under the default sweep (Settings.sweep_s) and the visibility timeout.
 OUTAGE_RECOVERY_S = 30.0
 PACED = {"decode_tok_per_s": 150, "mean_output_tokens": 80, "max_running_requests": 64}
 
@@ -52,9 +52,16 @@ def private_redis() -> Iterator[PrivateRedis]:
         yield server
 
 
-def _stack(tmp: Path, db: str, redis_server: PrivateRedis, sim: Sim, **kw: object) -> Stack:
+# kombu's BRPOP takes a message and records it as unacked in a second round trip: a
+# worker killed in between, or a BRPOP reply lost in a cut connection, leaves the message
+# nowhere in Redis. The workers' SQL sweep sends it again, here within seconds.
+QUICK_SWEEP = {"sweep_s": 2.0, "sweep_quiet_s": 5.0}
+
+
+def _stack(tmp: Path, db: str, redis_server: PrivateRedis, sim: Sim,
+           sweep: dict[str, float] | None = None, **kw: object) -> Stack:
     settings = make_settings(db, sim.url, redis_url=redis_server.url, heartbeat_s=1.0,
-                             dead_after_s=5.0)
+                             dead_after_s=5.0, **(sweep or {}))
     return Stack(settings, tmp, sim, redis=redis_server, **kw)  # type: ignore[arg-type]
 
 
@@ -70,7 +77,8 @@ def test_worker_sigkills_lose_nothing_and_leave_no_reservation(
     """A killed worker's reservations are freed by the reaper, as its messages are: left
     behind, they would hold the dataset's admission short of its budget for good."""
     with Sim(tmp_path / "sim.jsonl", **PACED) as sim:
-        stack = _stack(tmp_path, f"sqlite:///{tmp_path / 'db.sqlite'}", private_redis, sim)
+        stack = _stack(tmp_path, f"sqlite:///{tmp_path / 'db.sqlite'}", private_redis, sim,
+                       sweep=QUICK_SWEEP)
         out = worker_kill(stack, per_dataset=100, kills=2)
     out.check.assert_ok()  # every prompt settled once, counters = SQL, no reservation left
     assert len(out.faults) == 2 and all("SIGKILL" in f for f in out.faults)
@@ -79,11 +87,12 @@ def test_worker_sigkills_lose_nothing_and_leave_no_reservation(
 
 
 def test_worker_sigkills_over_tls_lose_nothing(tmp_path: Path) -> None:
-    """``rediss://`` takes the same transport as ``redis://``: the workers, the producer
+    """``rediss://`` takes kombu's Redis transport over TLS: the workers, the producer
     and the reaper reach a TLS-only Redis that they verify, and killed workers lose
     nothing."""
     with PrivateTlsRedis() as server, Sim(tmp_path / "sim.jsonl", **PACED) as sim:
-        stack = _stack(tmp_path, f"sqlite:///{tmp_path / 'db.sqlite'}", server, sim)
+        stack = _stack(tmp_path, f"sqlite:///{tmp_path / 'db.sqlite'}", server, sim,
+                       sweep=QUICK_SWEEP)
         out = worker_kill(stack, per_dataset=100, kills=2)
     out.check.assert_ok()
     assert len(out.faults) == 2 and out.check.states == {"done": 200}
@@ -128,11 +137,12 @@ def test_redis_connection_blip_costs_at_most_one_extra_request(
     private_redis: PrivateRedis, tmp_path: Path
 ) -> None:
     with Sim(tmp_path / "sim.jsonl", **PACED) as sim:
-        stack = _stack(tmp_path, f"sqlite:///{tmp_path / 'db.sqlite'}", private_redis, sim)
+        stack = _stack(tmp_path, f"sqlite:///{tmp_path / 'db.sqlite'}", private_redis, sim,
+                       sweep=QUICK_SWEEP)
         out = redis_blip(stack, per_dataset=40, blips=1, grace_s=8.0)
     out.check.assert_ok()  # no reservation left either (see the aimed blip below)
-    # Workers pop and record a message in one script (common/broker.py): a reply lost with
-    # a killed connection leaves its messages unacked, for the reaper, not only in SQL.
+    # Celery's consumer restart puts back every message the worker holds; a BRPOP reply lost
+    # with a killed connection is the workers' quick sweep's to send again.
     assert out.notes["stranded_until_sweep"] == 0
     assert out.check.states == {"done": 80}
     assert (out.check.lost, out.check.duplicated, out.check.drift) == (0, 0, 0)
@@ -147,7 +157,8 @@ def test_a_redis_outage_strands_no_prompt(private_redis: PrivateRedis, tmp_path:
     with OutageProxy(private_redis.port) as proxy, \
             Sim(tmp_path / "sim.jsonl", **PACED) as sim:
         settings = make_settings(f"sqlite:///{tmp_path / 'db.sqlite'}", sim.url,
-                                 redis_url=proxy.url, heartbeat_s=1.0, dead_after_s=5.0)
+                                 redis_url=proxy.url, heartbeat_s=1.0, dead_after_s=5.0,
+                                 **QUICK_SWEEP)
         stack = Stack(settings, tmp_path, sim, redis=private_redis, outage=proxy)
         out = redis_outage(stack, per_dataset=40, outages=1, down_s=4.0, grace_s=8.0)
     out.check.assert_ok()

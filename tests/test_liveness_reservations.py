@@ -57,3 +57,15 @@ def test_a_reservation_claimed_before_the_grace_ends_is_kept(
     assert release_orphaned_reservations(redis_client, suspects, 20.0, GRACE_S) == 0
     assert ledger.inflight_rids("late") == ["new-rid"]
     assert suspects == {}
+
+
+def test_a_sweep_that_meets_redis_away_leaves_the_heartbeat_running() -> None:
+    """An error from the sweep, its lock's SET included, is logged: raised, it would end
+    the heartbeat's thread and the worker would look dead to the others."""
+    from ops.localredis import free_port
+    from workers.liveness import Heartbeat, Received
+
+    away = redis.Redis(port=free_port(), socket_connect_timeout=0.5)
+    beat = Heartbeat(None, away, "away@host", Received(), 1.0, 5.0,  # type: ignore[arg-type]
+                     sweep_s=0.0)
+    beat._maybe_sweep()  # Connection refused, logged, not raised

@@ -67,7 +67,10 @@ def test_three_sigkills_across_two_workers_lose_nothing(
     paced_sim: str, sqlite_url: str, redis_client: redis.Redis, tmp_path: Path
 ) -> None:
     requests.post(f"{paced_sim}/sim/reset", timeout=5).raise_for_status()
-    settings = make_settings(sqlite_url, paced_sim, heartbeat_s=1.0, dead_after_s=5.0)
+    # A worker killed between kombu's BRPOP of a message and its unacked record leaves the
+    # message nowhere in Redis: the workers' SQL sweep sends it again, here within seconds.
+    settings = make_settings(sqlite_url, paced_sim, heartbeat_s=1.0, dead_after_s=5.0,
+                             sweep_s=2.0, sweep_quiet_s=5.0)
     names = ["k1", "k2"]
     # Enough work that the third victim, started after two kills, still finds messages to
     # hold when the workers run fast (16 in flight at about a second each).

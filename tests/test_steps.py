@@ -16,8 +16,7 @@ from sqlalchemy import exc as sa_exc
 from sqlalchemy.exc import OperationalError
 
 from common.budget import Budget
-from common.ledger import Charge, ChargeResult, Ledger
-from common.rows import ResultRow
+from common.ledger import Ledger
 from common.settings import Settings
 from common.store import Store
 from tests.helpers import assert_invariants, context_for, enqueue_paths, write_dataset
@@ -26,29 +25,11 @@ from workers.context import DATASET_CACHE_S, WorkerContext
 from workers.pipeline import Outcome, run_sample
 
 
-class Acks:
-    """Stands in for the broker's shared ack: records which messages each group acked."""
-
-    def __init__(self) -> None:
-        self.calls: list[list[str]] = []
-
-    def __call__(self, tags: list[str]) -> None:
-        self.calls.append(list(tags))
-
-    @property
-    def tags(self) -> list[str]:
-        return sorted(t for call in self.calls for t in call)
-
-
-def tags(name: str, n: int) -> list[str]:
-    return sorted(f"tag-{name}-{i}" for i in range(n))
-
-
 def run_all(ctx: WorkerContext, name: str, n: int) -> list[Any]:
-    """Each sample as a task of its own, its message tagged ``tag-{name}-{i}``."""
+    """Each sample as a task of its own."""
     def one(i: int) -> Any:
         try:
-            return run_sample(ctx, name, f"{name}-{i}", f"tag-{name}-{i}")
+            return run_sample(ctx, name, f"{name}-{i}")
         except Exception as exc:
             return exc
 
@@ -60,13 +41,9 @@ def test_concurrent_samples_share_steps_and_each_is_counted_once(
     settings: Settings, store: Store, ledger: Ledger, sim: str, tmp_path: Path
 ) -> None:
     ctx = context_for(settings, tmp_path, "shared", 32)
-    ctx.ack_settled = acks = Acks()
     assert run_all(ctx, "shared", 32) == [Outcome.DONE] * 32
     assert ctx.admissions.items == ctx.settlements.items == 32
     assert ctx.admissions.batches < 32 and ctx.settlements.batches < 32
-    # Every message acked once its result was stored, one ack round per settlement group.
-    assert acks.tags == tags("shared", 32)
-    assert len(acks.calls) == ctx.settlements.batches
     # A second delivery of every message: nothing generated, charged or stored again.
     assert run_all(ctx, "shared", 32) == [Outcome.ALREADY_DONE] * 32
     assert store.prompt_counts("shared") == {"done": 32}
@@ -109,12 +86,8 @@ def test_a_database_outage_at_the_commit_keeps_the_charge(
 
     monkeypatch.setattr(ctx.store, "save_results", flaky)
     monkeypatch.setattr("workers.pipeline.time.sleep", lambda s: None)
-    ctx.ack_settled = acks = Acks()
     assert run_all(ctx, "outage", 8) == [Outcome.DONE] * 8
     assert failures == [0]
-    # A sample whose group commit failed is stored by its own task later: the group does
-    # not ack its message (a crash before that store must bring the message back).
-    assert set(acks.tags) < set(tags("outage", 8))
     assert store.prompt_counts("outage") == {"done": 8}
     assert ledger.state("outage").samples == 8
     assert_invariants(store, ledger, ["outage"])
@@ -132,45 +105,10 @@ def test_a_row_that_cannot_be_built_fails_only_its_sample(
         return real(ctx, ds, sample_id, *rest)
 
     monkeypatch.setattr(steps, "result_row", row)
-    ctx.ack_settled = acks = Acks()
     outcomes = run_all(ctx, "onebad", 8)
-    assert acks.tags == [t for t in tags("onebad", 8) if t != "tag-onebad-3"]
     assert [str(o) for o in outcomes if isinstance(o, Exception)] == ["cannot build this row"]
     assert outcomes.count(Outcome.DONE) == 7
     assert store.prompt_counts("onebad") == {"done": 7, "queued": 1}
-
-
-ROW = ResultRow(dataset="d", sample_id="s", rid="r", prompt_tokens=1, completion_tokens=16,
-                finish_reason="stop", output_ids=[1] * 16, output_text="x", server="s", model="m")
-
-
-@pytest.mark.parametrize(("settled", "acked"), [
-    (steps.Settled(ChargeResult(Charge.CHARGED, 16, 100, False, 0), ROW, True), True),
-    (steps.Settled(ChargeResult(Charge.CHARGED, 16, 100, False, 0), ROW, False), True),
-    (steps.Settled(ChargeResult(Charge.REFUSED, 0, 100, False, 0), None), True),
-    # The close comes after a crossing charge; a charge made before may be priced again.
-    (steps.Settled(ChargeResult(Charge.CHARGED, 16, 100, True, 3), ROW, True), False),
-    (steps.Settled(ChargeResult(Charge.DUPLICATE, 16, 100, False, 0), ROW, True), False),
-    (steps.Settled(ChargeResult(Charge.CHARGED, 16, 100, False, 0), ROW,
-                   error=OperationalError("INSERT", {}, Exception("gone"))), False),
-])
-def test_a_group_acks_only_what_its_task_has_finished(settled: steps.Settled,
-                                                      acked: bool) -> None:
-    assert steps.finished(settled) is acked
-
-
-def test_a_failed_shared_ack_leaves_each_task_its_own(
-    settings: Settings, store: Store, sim: str, tmp_path: Path) -> None:
-    import redis
-
-    ctx = context_for(settings, tmp_path, "ackdown", 4)
-
-    def down(tags: list[str]) -> None:
-        raise redis.ConnectionError("Redis went away")
-
-    ctx.ack_settled = down
-    assert run_all(ctx, "ackdown", 4) == [Outcome.DONE] * 4
-    assert store.prompt_counts("ackdown") == {"done": 4}
 
 
 @pytest.mark.parametrize("away", ["database", "redis"])

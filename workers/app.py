@@ -20,7 +20,6 @@ from common.errors import StoreMismatch
 from common.reconcile import reconcile_all
 from common.settings import Settings
 from workers.context import get_context
-from workers.early import AdmitOnDelivery
 from workers.liveness import Heartbeat, Received
 from workers.queues import DatasetQueues
 from workers.tasks import register_tasks
@@ -35,7 +34,6 @@ def create_app(settings: Settings) -> Celery:
     app.datagen_received = Received()  # type: ignore[attr-defined]
     register_tasks(app, settings)
     app.steps["consumer"].add(DatasetQueues)
-    app.steps["consumer"].add(AdmitOnDelivery)
     return app
 
 
@@ -104,7 +102,8 @@ def _start_heartbeat(sender: Any = None, **_: Any) -> None:
         _quiet_cancel_advice()
         conf = sender.app.datagen_settings
         beat = Heartbeat(sender.app, _redis(sender.app), liveness_id(sender),
-                         sender.app.datagen_received, conf.heartbeat_s, conf.dead_after_s)
+                         sender.app.datagen_received, conf.heartbeat_s, conf.dead_after_s,
+                         conf.sweep_s, conf.sweep_quiet_s)
         sender.app.datagen_heartbeat = beat
         beat.start()
 
@@ -120,23 +119,11 @@ def _stop_heartbeat(sender: Any = None, **_: Any) -> None:
 def _report_groups(sender: Any = None, **_: Any) -> None:
     ctx = getattr(getattr(sender, "app", None), "datagen_context", None)
     if ctx is not None:
-        early = ctx.early
-        log.info("admissions at delivery: %d made, %d taken by their tasks, %d given back",
-                 early.made, early.taken, early.given_back)
         for step, group in (("admissions", ctx.admissions), ("settlements", ctx.settlements)):
             n = max(1, group.batches)
             log.info("shared steps: %d %s in %d groups; a group's leader: %.2f ms, "
                      "%.2f ms of CPU", group.items, step, group.batches,
                      1000 * group.serve_s / n, 1000 * group.serve_cpu_s / n)
-
-
-@signals.task_revoked.connect
-def _give_back_admission(sender: Any = None, request: Any = None, **_: Any) -> None:
-    # A revoked message's task never runs: the admission made at its delivery goes back.
-    app = getattr(sender, "app", None)
-    ctx = getattr(app, "datagen_context", None) if _ours(app) else None
-    if ctx is not None and request is not None:
-        ctx.early.drop((getattr(request, "properties", None) or {}).get("delivery_tag"))
 
 
 @signals.task_received.connect

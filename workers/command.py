@@ -7,28 +7,35 @@ import logging
 import os
 import socket
 
+APP = "workers.app:app"
 
-def run_worker(args: argparse.Namespace) -> int:
-    from workers.app import app, settings
 
-    concurrency = args.concurrency or settings.concurrency
+def worker_argv(args: argparse.Namespace) -> list[str]:
+    """Celery's command line for this worker. Without ``--concurrency`` the app's own
+    ``worker_concurrency`` (DATAGEN_CONCURRENCY) applies."""
     argv = [
+        f"--app={APP}",
         "worker",
         "--pool=threads",
-        f"--concurrency={concurrency}",
         f"--loglevel={args.loglevel}",
         f"--hostname={args.hostname or f'datagen-{os.getpid()}@{socket.gethostname()}'}",
         "--without-gossip",
         "--without-mingle",
     ]
+    if args.concurrency:
+        argv.append(f"--concurrency={args.concurrency}")
+    return argv
+
+
+def run_worker(args: argparse.Namespace) -> int:
     # One line per task received and per task done is noise at hundreds of tasks a second;
     # `datagen status` is the progress view. Failures and retries still log.
     for name in ("celery.app.trace", "celery.worker.strategy"):
         logging.getLogger(name).setLevel(logging.WARNING)
-    return _celery_main(app, argv)
+    return _celery_main(worker_argv(args))
 
 
-def _celery_main(app: object, argv: list[str]) -> int:
+def _celery_main(argv: list[str]) -> int:
     """Run Celery's CLI and return its exit code.
 
     ``app.worker_main`` and ``app.start`` drop the code that ``celery worker`` computes
@@ -39,10 +46,7 @@ def _celery_main(app: object, argv: list[str]) -> int:
     from celery.bin.celery import celery as celery_command
     from click.exceptions import Exit
 
-    celery_command.params[0].default = app
     try:
         return int(celery_command.main(args=argv, standalone_mode=False) or 0)
     except Exit as exc:
         return int(exc.exit_code)
-    finally:
-        celery_command.params[0].default = None

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import functools
 import logging
 import threading
 import time
@@ -13,13 +12,11 @@ from pathlib import Path
 import redis
 from celery import Celery
 
-from common.broker import TRANSPORT, ack_settled
 from common.ledger import Ledger
 from common.settings import Settings
 from common.sglang_client import SGLangClient
 from common.store import DatasetRow, Store
 from workers import steps
-from workers.early import EarlyAdmissions
 from workers.grouping import LINGER_S, MAX_GROUP, GroupCall
 from workers.inflight import LiveRids
 from workers.results import ResultWriter
@@ -36,13 +33,9 @@ class WorkerContext:
     ledger: Ledger
     client: SGLangClient
     app: Celery | None = None
-    # Takes settled messages out of the broker's unacked set in one round trip (None: no
-    # broker, or one whose acks cannot be shared; each task's ack then goes on its own).
-    ack_settled: Callable[[list[str]], None] | None = None
     results: ResultWriter = field(init=False)
     admissions: GroupCall[steps.AdmitItem, steps.Admitted] = field(init=False)
     settlements: GroupCall[steps.SettleItem, steps.Settled] = field(init=False)
-    early: EarlyAdmissions = field(init=False)
     live_rids: LiveRids = field(default_factory=LiveRids)
     _datasets: dict[str, tuple[float, DatasetRow]] = field(default_factory=dict)
     _decoders: dict[str, Decoder | None] = field(default_factory=dict)
@@ -55,15 +48,13 @@ class WorkerContext:
         # With every slot busy, a worker's tasks are split between the two steps (and
         # their requests): a leader waiting for more than half of them would wait for
         # tasks that reach its step only after the other step's group is served, its whole
-        # linger, while its own group's tasks hold their slots idle. At full rate that
-        # wait, not CPU, bounded the worker (docs/PERFORMANCE_EXPERIMENTS.md, "Eleventh
-        # round").
+        # linger, while its own group's tasks hold their slots idle: at full rate that
+        # wait, not CPU, would bound the worker.
         enough = max(1, min(most, self.settings.concurrency // 2))
         self.admissions = GroupCall(lambda items: steps.admit_group(self, items),
                                     max_group=most, linger_s=LINGER_S, enough=enough)
         self.settlements = GroupCall(lambda items: steps.settle_group(self, items),
                                      max_group=most, linger_s=LINGER_S, enough=enough)
-        self.early = EarlyAdmissions(self)
 
     @classmethod
     def build(cls, settings: Settings, app: Celery | None = None) -> WorkerContext:
@@ -74,20 +65,15 @@ class WorkerContext:
             api_key=settings.sglang_api_key,
         )
         ledger = Ledger(redis.Redis.from_url(settings.redis_url, health_check_interval=25))
-        acks = None
-        if app is not None and app.conf.broker_transport == TRANSPORT:
-            # The broker is the ledger's Redis (both are settings.redis_url).
-            acks = functools.partial(ack_settled, ledger.redis)
         store = Store(settings.database_url, settings.db_connections)
-        return cls(settings, store, ledger, client, app, acks)
+        return cls(settings, store, ledger, client, app)
 
     def dataset(self, name: str) -> DatasetRow:
         """The dataset's terms, re-read every few seconds so budget changes arrive.
 
-        One thread re-reads them while the others go on with the terms they have: when
-        the cached row expired, every task reaching this point at full rate read it at
-        once, each on a pooled connection of its own, which warmed up to 16 SQLite
-        connections' caches (docs/PERFORMANCE_EXPERIMENTS.md, seventeenth round)."""
+        One thread re-reads them while the others go on with the terms they have: if
+        every task reaching this point at full rate read the expired row at once, each
+        would take a pooled connection of its own and warm up its cache."""
         cached = self._datasets.get(name)
         if cached is not None and time.monotonic() - cached[0] <= DATASET_CACHE_S:
             return cached[1]

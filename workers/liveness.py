@@ -4,10 +4,14 @@ Celery's Redis transport returns a killed worker's unacked messages only after t
 visibility timeout (above the longest request: half an hour or more). Each worker instead
 records the delivery tags it receives (pruning those acked since) and beats every few
 seconds. Any live worker that sees a silent one takes the reaper lock, forgets it, and
-pushes every message unacked for that long that no live worker holds back to its queue,
-the way kombu itself restores them (``QoS.restore_by_tag``); that also covers a worker
-killed between receiving a message and recording it. A worker wrongly declared dead (a
-long pause) only causes duplicates, which the ledger and SQL absorb.
+pushes every message unacked for that long that no live worker holds back to its queue
+through the channel's own ``qos.restore_by_tag``, as kombu restores them; that also covers
+a worker killed between receiving a message and recording its tag. A worker wrongly
+declared dead (a long pause) only causes duplicates, which the ledger and SQL absorb.
+
+kombu records a message as unacked in a second round trip after its BRPOP, so a worker
+killed in between leaves nothing in Redis for the reaper: the SQL sweep, run by one worker
+every ``sweep_s``, publishes such a prompt again (``common.audit.requeue_lost``).
 """
 
 from __future__ import annotations
@@ -42,7 +46,6 @@ from common.replies import texts
 from workers.context import get_context
 
 log = logging.getLogger(__name__)
-SWEEP_EVERY_S = 300.0
 _stopping = threading.Lock()  # held once a stop is asked for
 
 
@@ -156,7 +159,7 @@ def _restore_orphans(channel: Any, client: redis.Redis, delivered_before: float)
     restored = 0
     for tag in old:
         if tag not in held and _ours(client.hget(KOMBU_UNACKED, tag)):
-            # leftmost: back to the head of its queue, as a requeue would put it.
+            # leftmost: where kombu's own requeue puts a message, as if published again.
             channel.qos.restore_by_tag(tag, leftmost=True)
             restored += 1
     return restored
@@ -191,6 +194,8 @@ class Heartbeat:
         received: Received,
         interval_s: float,
         dead_after_s: float,
+        sweep_s: float = 300.0,
+        sweep_quiet_s: float = 300.0,
     ) -> None:
         if interval_s * 2 >= dead_after_s:
             raise ConfigError(
@@ -199,7 +204,8 @@ class Heartbeat:
             )
         self.app, self.client, self.worker, self.received = app, client, worker, received
         self.interval_s, self.dead_after_s = interval_s, dead_after_s
-        self._next_sweep = time.monotonic() + SWEEP_EVERY_S
+        self.sweep_s, self.sweep_quiet_s = sweep_s, sweep_quiet_s
+        self._next_sweep = time.monotonic() + sweep_s
         self._suspects: dict[tuple[str, str], float] = {}
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True, name="datagen-heartbeat")
@@ -258,14 +264,17 @@ class Heartbeat:
         pipe.execute()
 
     def _maybe_sweep(self) -> None:
-        """Every few minutes, one worker re-enqueues prompts Redis lost (see common.audit)."""
+        """Every ``sweep_s``, one worker re-enqueues prompts Redis lost (see common.audit)."""
         if time.monotonic() < self._next_sweep:
             return
-        self._next_sweep = time.monotonic() + SWEEP_EVERY_S
-        if not self.client.set(SWEEPER_LOCK, "1", nx=True, ex=int(SWEEP_EVERY_S)):
-            return
+        self._next_sweep = time.monotonic() + self.sweep_s
+        # The lock's SET inside the try too: an error escaping here would end the
+        # heartbeat's thread, and this worker would look dead to the others.
         try:
-            requeued = requeue_lost(get_context(self.app).store, self.client, Publisher(self.app))
+            if not self.client.set(SWEEPER_LOCK, "1", nx=True, ex=max(1, int(self.sweep_s))):
+                return
+            requeued = requeue_lost(get_context(self.app).store, self.client,
+                                    Publisher(self.app), self.sweep_quiet_s)
             for name, n in requeued.items():
                 log.warning("dataset %s: %d queued prompts were missing from Redis; enqueued "
                             "again", name, n)

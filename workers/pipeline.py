@@ -49,29 +49,22 @@ def sampling_params(ds: DatasetRow, prompt: PromptRow) -> dict[str, Any]:
     return params
 
 
-def run_sample(ctx: WorkerContext, dataset: str, sample_id: str,
-               delivery_tag: str | None = None) -> Outcome:
-    """Run one sample. ``delivery_tag``: its message, which the charge's group may ack,
-    and under which the consumer may have admitted it already (workers/early.py)."""
-    early = ctx.early.take(delivery_tag, dataset, sample_id)
-    if early is not None:
-        server, rid = early.server, early.rid
-    else:
-        # The server is chosen before the rid, which names it for the aborts of a close.
-        server = ctx.client.pick_server()
-        rid = new_rid(dataset, server)
-        # Claimed before ADMIT (which comes with the prompt read), so the reaper never
-        # frees a reservation this process holds.
-        ctx.live_rids.add(rid)
+def run_sample(ctx: WorkerContext, dataset: str, sample_id: str) -> Outcome:
+    """Run one sample: its prompt read and admission, request, charge and store."""
+    # The server is chosen before the rid, which names it for the aborts of a close.
+    server = ctx.client.pick_server()
+    rid = new_rid(dataset, server)
+    # Claimed before ADMIT (which comes with the prompt read), so the reaper never frees a
+    # reservation this process holds.
+    ctx.live_rids.add(rid)
     try:
-        prompt, admission = (early.admitted if early is not None
-                             else ctx.admissions((dataset, sample_id, rid)))
+        prompt, admission = ctx.admissions((dataset, sample_id, rid))
         if prompt is None:
             log.warning("no stored prompt for %s/%s; dropping the message", dataset, sample_id)
             return Outcome.MISSING
         if prompt.state != "queued" or admission is None:
             return _settle_finished(ctx, dataset, prompt)
-        return _generate(ctx, prompt, server, rid, admission, delivery_tag)
+        return _generate(ctx, prompt, server, rid, admission)
     except BaseException:
         # Whatever failed after ADMIT may have run (an answer lost to a reset connection):
         # free the reservation, or the dataset's admission would count it for good.
@@ -82,7 +75,7 @@ def run_sample(ctx: WorkerContext, dataset: str, sample_id: str,
 
 
 def _generate(ctx: WorkerContext, prompt: PromptRow, server: str, rid: str,
-              admission: Admission, delivery_tag: str | None) -> Outcome:
+              admission: Admission) -> Outcome:
     if admission is Admission.UNKNOWN:
         # The ledger lost its terms (Redis restarted): rebuild them from SQL, then ask again.
         reconcile_dataset(ctx.store, ctx.ledger, prompt.dataset)
@@ -96,13 +89,12 @@ def _generate(ctx: WorkerContext, prompt: PromptRow, server: str, rid: str,
     completion = ctx.client.generate(server, rid, prompt.input_ids, sampling_params(ds, prompt))
     if completion.finish_type == "abort":
         return _aborted(ctx, prompt.dataset, prompt.sample_id, rid, completion)
-    return keep(ctx, ds, prompt.sample_id, completion, delivery_tag)
+    return keep(ctx, ds, prompt.sample_id, completion)
 
 
-def keep(ctx: WorkerContext, ds: DatasetRow, sample_id: str, completion: Completion,
-         delivery_tag: str | None = None) -> Outcome:
+def keep(ctx: WorkerContext, ds: DatasetRow, sample_id: str, completion: Completion) -> Outcome:
     """Charge the sample, then store what the charge allows."""
-    settled = ctx.settlements((ds, sample_id, completion, delivery_tag))
+    settled = ctx.settlements((ds, sample_id, completion))
     charge, row = settled.charge, settled.row
     if charge.status is Charge.REFUSED:
         return Outcome.DISCARDED

@@ -11,11 +11,8 @@ thread hand-offs each blocking call costs a process of many threads.
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
-
-import redis
 
 from common.db import UNAVAILABLE
 from common.ledger import Admission, AdmitArgs, Charge, ChargeArgs, ChargeResult
@@ -27,14 +24,12 @@ from workers.results import commit_rows
 if TYPE_CHECKING:
     from workers.context import WorkerContext
 
-log = logging.getLogger(__name__)
 # Expected output of one request before a dataset has any result (admission estimate).
 DEFAULT_EXPECTED_TOKENS = 2048
 
 AdmitItem = tuple[str, str, str]  # dataset, sample_id, rid
 Admitted = tuple[PromptRow | None, Admission | None]
-# dataset, sample_id, its completion, and its message's delivery tag (None: no message)
-SettleItem = tuple[DatasetRow, str, Completion, str | None]
+SettleItem = tuple[DatasetRow, str, Completion]  # dataset, sample_id, its completion
 
 
 @dataclass(frozen=True)
@@ -69,10 +64,10 @@ def settle_group(ctx: WorkerContext, items: list[SettleItem]) -> list[Settled]:
     # request sent before another run took it must not count in that run's budget.
     charges = ctx.ledger.charge_many([
         ChargeArgs(ds.name, sample_id, c.rid, c.prompt_tokens, c.completion_tokens)
-        for ds, sample_id, c, _ in items], ctx.store.store_id)
+        for ds, sample_id, c in items], ctx.store.store_id)
     rows: dict[int, ResultRow] = {}
     failed: dict[int, Exception] = {}
-    for i, ((ds, sample_id, c, _), charge) in enumerate(zip(items, charges, strict=True)):
+    for i, ((ds, sample_id, c), charge) in enumerate(zip(items, charges, strict=True)):
         if charge.status is not Charge.REFUSED:
             try:
                 rows[i] = result_row(ctx, ds, sample_id, c, charge)
@@ -90,26 +85,7 @@ def settle_group(ctx: WorkerContext, items: list[SettleItem]) -> list[Settled]:
             settled.append(Settled(charge, row, error=outcome))
         else:
             settled.append(Settled(charge, row, inserted=bool(outcome)))
-    _ack_finished(ctx, [tag for (_, _, _, tag), s in zip(items, settled, strict=True)
-                        if tag is not None and finished(s)])
     return settled
-
-
-def finished(s: Settled) -> bool:
-    """Whether the sample's task returns from here with nothing a redelivery would redo.
-
-    Not so for a store that failed (the task retries it), a crossing charge (the close
-    follows) or a charge made before (its result may still have to be priced)."""
-    return s.error is None and not s.charge.crossed and s.charge.status is not Charge.DUPLICATE
-
-
-def _ack_finished(ctx: WorkerContext, tags: list[str]) -> None:
-    if ctx.ack_settled is None:
-        return
-    try:
-        ctx.ack_settled(tags)
-    except redis.RedisError as exc:  # each task acks its own message, as without the group
-        log.warning("could not ack %d settled messages together: %s", len(tags), exc)
 
 
 def result_row(

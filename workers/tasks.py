@@ -56,8 +56,7 @@ def register_tasks(app: Celery, settings: Settings) -> Task:
 def _attempt(task: Task, ctx: WorkerContext, settings: Settings, dataset: str,
              sample_id: str) -> str:
     try:
-        tag = (task.request.properties or {}).get("delivery_tag")
-        outcome = run_sample(ctx, dataset, sample_id, tag)
+        outcome = run_sample(ctx, dataset, sample_id)
     except ServerUnreachable as exc:
         ctx.store.record_attempt(dataset, sample_id, str(exc), count=False)
         delay = backoff_s(settings, UNREACHABLE_BACKOFF_STEP)

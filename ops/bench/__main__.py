@@ -32,7 +32,6 @@ BENCHES: tuple[tuple[str, str, tuple[str, ...], tuple[str, ...]], ...] = (
     ("scaling", "ops.bench.scaling", (), ()),
     ("producer", "ops.bench.producer_rate", (), ("--profile",)),
     ("hotpath", "ops.bench.hotpath", (), ()),
-    ("pop", "ops.bench.pop", (), ()),
 )
 BENCH_TIMEOUT_S = 3600
 

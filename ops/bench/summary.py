@@ -120,18 +120,10 @@ def _scaling(r: Any) -> list[Row]:
     return rows
 
 
-def _pop(r: Any) -> list[Row]:
-    # A worker at full rate (batches of up to 16) among many finished datasets' queues.
-    return [_row("pop", f"Redis µs a message, batches of 16, {queues} "
-                 f"queue{'s' if queues > 1 else ''} consumed",
-                 _med(r, "usec_per_message", f"current, room 16, {queues} queues"), ".1f",
-                 "-", None) for queues in (1, 200)]
-
-
 EXTRACTORS: dict[str, Callable[[Any], list[Row]]] = {
     "saturation": _saturation, "overhead": _overhead,
     "overhead-per-core": _overhead_per_core, "producer": _producer, "guard": _guard,
-    "overshoot": _overshoot, "memory": _memory, "scaling": _scaling, "pop": _pop,
+    "overshoot": _overshoot, "memory": _memory, "scaling": _scaling,
 }
 
 
