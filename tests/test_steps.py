@@ -99,10 +99,10 @@ def test_a_row_that_cannot_be_built_fails_only_its_sample(
     ctx = context_for(settings, tmp_path, "onebad", 8)
     real = steps.result_row
 
-    def row(ctx: WorkerContext, ds: Any, sample_id: str, *rest: Any) -> Any:
+    def row(ds: Any, sample_id: str, *rest: Any, **named: Any) -> Any:
         if sample_id == "onebad-3":
             raise ValueError("cannot build this row")
-        return real(ctx, ds, sample_id, *rest)
+        return real(ds, sample_id, *rest, **named)
 
     monkeypatch.setattr(steps, "result_row", row)
     outcomes = run_all(ctx, "onebad", 8)

@@ -5,16 +5,17 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import redis
 from celery import Celery
 
-from common.ledger import Ledger
+from common.ledger import ChargeResult, Ledger
+from common.rows import ResultRow
 from common.settings import Settings
-from common.sglang_client import SGLangClient
+from common.sglang_client import Completion, SGLangClient
 from common.store import DatasetRow, Store
 from workers import steps
 from workers.grouping import LINGER_S, MAX_GROUP, GroupCall
@@ -23,7 +24,7 @@ from workers.results import ResultWriter
 
 log = logging.getLogger(__name__)
 DATASET_CACHE_S = 5.0
-Decoder = Callable[[Sequence[int]], str]
+Decoder = steps.Decoder
 
 
 @dataclass
@@ -51,10 +52,11 @@ class WorkerContext:
         # linger, while its own group's tasks hold their slots idle: at full rate that
         # wait, not CPU, would bound the worker.
         enough = max(1, min(most, self.settings.concurrency // 2))
-        self.admissions = GroupCall(lambda items: steps.admit_group(self, items),
+        self.admissions = GroupCall(lambda items: steps.admit_group(self.store, self.ledger, items),
                                     max_group=most, linger_s=LINGER_S, enough=enough)
-        self.settlements = GroupCall(lambda items: steps.settle_group(self, items),
-                                     max_group=most, linger_s=LINGER_S, enough=enough)
+        self.settlements = GroupCall(
+            lambda items: steps.settle_group(self.store, self.ledger, self.result_row, items),
+            max_group=most, linger_s=LINGER_S, enough=enough)
 
     @classmethod
     def build(cls, settings: Settings, app: Celery | None = None) -> WorkerContext:
@@ -92,6 +94,11 @@ class WorkerContext:
             return row
         finally:
             reading.release()
+
+    def result_row(self, ds: DatasetRow, sample_id: str, c: Completion,
+                   charge: ChargeResult) -> ResultRow:
+        return steps.result_row(ds, sample_id, c, charge, model=self.client.model(c.server),
+                                decoder=self.decoder)
 
     def decoder(self, tokenizer: str) -> Decoder | None:
         """A decoder for cut outputs, loaded once with the light ``tokenizers`` library."""

@@ -11,18 +11,15 @@ thread hand-offs each blocking call costs a process of many threads.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 from common.db import UNAVAILABLE
-from common.ledger import Admission, AdmitArgs, Charge, ChargeArgs, ChargeResult
+from common.ledger import Admission, AdmitArgs, Charge, ChargeArgs, ChargeResult, Ledger
 from common.rows import ResultRow
 from common.sglang_client import Completion
-from common.store import DatasetRow, PromptRow
+from common.store import DatasetRow, PromptRow, Store
 from workers.results import commit_rows
-
-if TYPE_CHECKING:
-    from workers.context import WorkerContext
 
 # Expected output of one request before a dataset has any result (admission estimate).
 DEFAULT_EXPECTED_TOKENS = 2048
@@ -30,6 +27,9 @@ DEFAULT_EXPECTED_TOKENS = 2048
 AdmitItem = tuple[str, str, str]  # dataset, sample_id, rid
 Admitted = tuple[PromptRow | None, Admission | None]
 SettleItem = tuple[DatasetRow, str, Completion]  # dataset, sample_id, its completion
+Decoder = Callable[[Sequence[int]], str]
+# Builds a sample's row from its charge (the worker's ``WorkerContext.result_row``).
+RowBuilder = Callable[[DatasetRow, str, Completion, ChargeResult], ResultRow]
 
 
 @dataclass(frozen=True)
@@ -42,9 +42,9 @@ class Settled:
     error: BaseException | None = None  # the store's error; the charge stands
 
 
-def admit_group(ctx: WorkerContext, items: list[AdmitItem]) -> list[Admitted]:
+def admit_group(store: Store, ledger: Ledger, items: list[AdmitItem]) -> list[Admitted]:
     """Each item's prompt, and for a prompt still queued the ledger's admission."""
-    prompts = ctx.store.prompts([(dataset, sample_id) for dataset, sample_id, _ in items])
+    prompts = store.prompts([(dataset, sample_id) for dataset, sample_id, _ in items])
     queued = [(i, AdmitArgs(p.dataset, rid, p.max_new_tokens, DEFAULT_EXPECTED_TOKENS))
               for i, (p, (_, _, rid)) in enumerate(zip(prompts, items, strict=True))
               if p is not None and p.state == "queued"]
@@ -52,29 +52,30 @@ def admit_group(ctx: WorkerContext, items: list[AdmitItem]) -> list[Admitted]:
     # Asked even when no prompt is queued: the same answer says whether this Redis is still
     # paired with this worker's database, before the message of a prompt that is missing
     # or settled here is dropped or its result counted in a ledger.
-    granted = ctx.ledger.admit_many([a for _, a in queued], ctx.store.store_id)
+    granted = ledger.admit_many([a for _, a in queued], store.store_id)
     for (i, _), admission in zip(queued, granted, strict=True):
         admissions[i] = admission
     return list(zip(prompts, admissions, strict=True))
 
 
-def settle_group(ctx: WorkerContext, items: list[SettleItem]) -> list[Settled]:
+def settle_group(store: Store, ledger: Ledger, build_row: RowBuilder,
+                 items: list[SettleItem]) -> list[Settled]:
     """Charge every sample, then store in one commit what each charge allows."""
     # Charged only while this Redis is still paired with this worker's database: a
     # request sent before another run took it must not count in that run's budget.
-    charges = ctx.ledger.charge_many([
+    charges = ledger.charge_many([
         ChargeArgs(ds.name, sample_id, c.rid, c.prompt_tokens, c.completion_tokens)
-        for ds, sample_id, c in items], ctx.store.store_id)
+        for ds, sample_id, c in items], store.store_id)
     rows: dict[int, ResultRow] = {}
     failed: dict[int, Exception] = {}
     for i, ((ds, sample_id, c), charge) in enumerate(zip(items, charges, strict=True)):
         if charge.status is not Charge.REFUSED:
             try:
-                rows[i] = result_row(ctx, ds, sample_id, c, charge)
+                rows[i] = build_row(ds, sample_id, c, charge)
             except Exception as exc:  # this sample's own fault: the others are stored
                 failed[i] = exc
     try:
-        stored = dict(zip(rows, commit_rows(ctx.store, list(rows.values())), strict=True))
+        stored = dict(zip(rows, commit_rows(store, list(rows.values())), strict=True))
     except UNAVAILABLE as exc:
         stored = dict.fromkeys(rows, exc)  # each task waits the database out for its row
     settled = []
@@ -88,13 +89,14 @@ def settle_group(ctx: WorkerContext, items: list[SettleItem]) -> list[Settled]:
     return settled
 
 
-def result_row(
-    ctx: WorkerContext, ds: DatasetRow, sample_id: str, c: Completion, charge: ChargeResult
-) -> ResultRow:
+def result_row(ds: DatasetRow, sample_id: str, c: Completion, charge: ChargeResult, *,
+               model: str, decoder: Callable[[str], Decoder | None]) -> ResultRow:
+    """The row to keep: the output as charged; one cut to the budget (``exact``) is
+    re-decoded with ``decoder(tokenizer)``, loaded only then."""
     ids, text, finish = c.output_ids, c.text, c.finish_type
     if charge.status is Charge.CHARGED and charge.kept_completion_tokens < c.completion_tokens:
         ids = ids[: charge.kept_completion_tokens]
-        decode = ctx.decoder(ds.tokenizer)
+        decode = decoder(ds.tokenizer)
         text = decode(ids) if decode else ""
         finish = "budget"
     return ResultRow(
@@ -111,5 +113,5 @@ def result_row(
         output_text=text,
         e2e_latency_s=c.e2e_latency_s,
         server=c.server,
-        model=ctx.client.model(c.server),
+        model=model,
     )
