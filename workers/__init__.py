@@ -1,5 +1,5 @@
-"""datagen workers: ``celery -A workers worker`` finds the app here."""
+"""datagen workers: the Celery app (``workers.celery``), its task and the sample's path.
 
-from workers.app import app
-
-__all__ = ["app"]
+Importing the package builds nothing; ``celery -A workers worker`` finds the app in
+``workers/celery.py`` by Celery's own convention.
+"""

@@ -80,10 +80,6 @@ def _redis(app: Celery) -> redis.Redis:
     return get_context(app).ledger.redis
 
 
-settings = Settings.from_env()
-app = create_app(settings)
-
-
 @signals.worker_init.connect
 def _prepare_on_start(sender: Any = None, **_: Any) -> None:
     if _ours(getattr(sender, "app", None)):

@@ -7,7 +7,7 @@ import logging
 import os
 import socket
 
-APP = "workers.app:app"
+APP = "workers.celery:app"
 
 
 def worker_argv(args: argparse.Namespace) -> list[str]:
