@@ -108,7 +108,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["sim"]:
         # These own their flags; argparse's REMAINDER would reject a leading --flag.
-        from ops.sim import main as sim_main
+        from sim import main as sim_main
 
         return sim_main(argv[1:])
     if argv[:1] == ["healthcheck"]:

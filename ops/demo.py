@@ -47,7 +47,7 @@ FROM results GROUP BY dataset ORDER BY dataset
 
 
 def _start_sim(stack: ExitStack) -> str:
-    from ops.sim import SimConfig, SimServer
+    from sim import SimConfig, SimServer
 
     sim = SimServer(SimConfig(port=0, max_running_requests=48, decode_tok_per_s=400,
                               mean_output_tokens=300, tokenizer=str(BUNDLED_TOKENIZER)))

@@ -56,8 +56,8 @@ def sqlite_url(tmp_path: Path) -> str:
 
 @pytest.fixture(scope="session")
 def sim_server() -> Iterator[str]:
-    from ops.sim import SimConfig, SimServer
     from producer.template import BUNDLED_TOKENIZER
+    from sim import SimConfig, SimServer
 
     server = SimServer(
         SimConfig(port=0, decode_tok_per_s=0, mean_output_tokens=60, max_running_requests=64,

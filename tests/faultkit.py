@@ -214,7 +214,7 @@ class Sim:
     started again on the same address and its log still holds every request."""
 
     def __init__(self, log_file: Path, port: int = 0, **config: Any) -> None:
-        from ops.sim import SimConfig
+        from sim import SimConfig
 
         self.port = port or free_port()
         self.log_file = log_file
@@ -223,7 +223,7 @@ class Sim:
         self.server: Any = None
 
     def start(self) -> str:
-        from ops.sim import SimServer
+        from sim import SimServer
 
         self.server = SimServer(self.config)
         self.server.start()

@@ -21,7 +21,7 @@ import sqlalchemy as sa
 from common.ledger import Ledger
 from common.schema import prompt_inputs, results
 from common.store import Store
-from ops.sim.reqlog import input_sha1
+from sim.reqlog import input_sha1
 from tests.faultkit import sim_log
 
 SampleKey = tuple[str, str]

@@ -28,7 +28,7 @@ from common.rids import new_rid, server_tag, tag_of
 from common.sglang_client import SGLangClient
 from common.store import Store
 from ops.localredis import free_port
-from ops.sim import SimConfig, SimServer
+from sim import SimConfig, SimServer
 
 LONG = {"max_new_tokens": 4000, "ignore_eos": True}  # 40 s at 100 tok/s: aborted long before
 

@@ -34,8 +34,8 @@ ADMIT_TO_SEND_GRACE_S = 0.25
 @pytest.fixture(scope="module")
 def slow_sim() -> Iterator[str]:
     """A server slow enough that 64 requests are in flight when a budget is crossed."""
-    from ops.sim import SimConfig, SimServer
     from producer.template import BUNDLED_TOKENIZER
+    from sim import SimConfig, SimServer
 
     server = SimServer(SimConfig(port=0, decode_tok_per_s=1500, mean_output_tokens=300,
                                  max_running_requests=128, tokenizer=str(BUNDLED_TOKENIZER)))

@@ -27,7 +27,7 @@ RECOVERY_LIMIT_S = 60.0
 @pytest.fixture(scope="module")
 def paced_sim() -> Iterator[str]:
     """About a second per request, so every kill catches requests in flight."""
-    from ops.sim import SimConfig, SimServer
+    from sim import SimConfig, SimServer
 
     server = SimServer(SimConfig(port=0, decode_tok_per_s=300, mean_output_tokens=300,
                                  max_running_requests=64))

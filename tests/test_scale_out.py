@@ -23,7 +23,7 @@ EXACT_BUDGET = 3_000
 
 @pytest.fixture
 def two_sims() -> Iterator[tuple[str, str]]:
-    from ops.sim import SimConfig, SimServer
+    from sim import SimConfig, SimServer
 
     servers = [SimServer(SimConfig(port=0, decode_tok_per_s=2000, mean_output_tokens=80))
                for _ in range(2)]

@@ -21,9 +21,9 @@ from typing import Any
 import pytest
 import requests
 
-from ops.sim import SimConfig, SimServer
-from ops.sim.contract import unknown_field_message
-from ops.sim.server import config_from_args
+from sim import SimConfig, SimServer
+from sim.contract import unknown_field_message
+from sim.server import config_from_args
 
 TOKENIZER_DIR = Path(__file__).resolve().parents[1] / "common" / "assets" / "tokenizer"
 CONTEXT = 4096
@@ -511,7 +511,7 @@ def test_stream_disconnect_frees_the_slot(slow: str) -> None:
 
 def test_cli_main_serves_until_sigterm() -> None:
     proc = subprocess.Popen(
-        [sys.executable, "-m", "ops.sim", "--port", "0", "--decode-tok-per-s", "0"],
+        [sys.executable, "-m", "sim", "--port", "0", "--decode-tok-per-s", "0"],
         stdout=subprocess.PIPE,
         text=True,
         cwd=Path(__file__).resolve().parents[1],

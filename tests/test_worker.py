@@ -125,7 +125,7 @@ def test_a_server_down_then_back_fails_nothing(
     sqlite_url: str, redis_client: object, tmp_path: Path
 ) -> None:
     from ops.localredis import free_port
-    from ops.sim import SimConfig, SimServer
+    from sim import SimConfig, SimServer
 
     port = free_port()  # nothing listens here yet: connections are refused
     settings = make_settings(sqlite_url, f"http://127.0.0.1:{port}", max_attempts=2,

@@ -38,7 +38,7 @@ from ops.bench.harness import (
 )
 from ops.bench.report import Summary, emit, table
 from ops.bench.synth import enqueue, write_dataset
-from ops.sim.reqlog import input_sha1
+from sim.reqlog import input_sha1
 
 POLICIES = ("drain", "abort", "exact")
 

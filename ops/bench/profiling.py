@@ -32,7 +32,7 @@ CATEGORIES: tuple[tuple[str, str], ...] = (
     ("selectors", "/selectors.py"), ("uuid", "/uuid.py"), ("threading", "/threading.py"),
     ("concurrent.futures", "/concurrent/"), ("queue", "/queue.py"),
     ("datagen common/", "/common/"), ("datagen workers/", "/workers/"),
-    ("datagen producer/", "/producer/"), ("simulator", "/ops/sim/"), ("aiohttp", "/aiohttp/"),
+    ("datagen producer/", "/producer/"), ("simulator", "/sim/"), ("aiohttp", "/aiohttp/"),
     ("asyncio", "/asyncio/"), ("jinja2", "/jinja2/"), ("transformers", "/transformers/"),
     ("tokenizers", "/tokenizers/"), ("hashlib", "/hashlib.py"),
 )

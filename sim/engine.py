@@ -17,10 +17,10 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
-from ops.sim.config import SimConfig
-from ops.sim.errors import QUEUE_FULL_MESSAGE, SimHttpError, queue_full_body
-from ops.sim.faults import FaultInjector
-from ops.sim.outputs import Completion
+from sim.config import SimConfig
+from sim.errors import QUEUE_FULL_MESSAGE, SimHttpError, queue_full_body
+from sim.faults import FaultInjector
+from sim.outputs import Completion
 
 WAITING, RUNNING, DONE = "waiting", "running", "done"
 ABORT_RUNNING = "Aborted"

@@ -1,6 +1,6 @@
 """Running the simulator: `SimServer` (background thread, for tests) and the CLI `main`.
 
-The application itself (routes, middleware) is built in `ops.sim.app`.
+The application itself (routes, middleware) is built in `sim.app`.
 """
 
 from __future__ import annotations
@@ -15,9 +15,9 @@ from dataclasses import fields
 
 from aiohttp import web
 
-from ops.sim.app import start_site
-from ops.sim.config import SimConfig
-from ops.sim.state import SIM_KEY, SimState
+from sim.app import start_site
+from sim.config import SimConfig
+from sim.state import SIM_KEY, SimState
 
 log = logging.getLogger(__name__)
 

@@ -7,11 +7,11 @@ from collections import Counter
 
 from aiohttp import web
 
-from ops.sim.config import SimConfig
-from ops.sim.engine import Engine
-from ops.sim.faults import FaultInjector
-from ops.sim.outputs import OutputModel
-from ops.sim.reqlog import RequestLog, RequestRecord
+from sim.config import SimConfig
+from sim.engine import Engine
+from sim.faults import FaultInjector
+from sim.outputs import OutputModel
+from sim.reqlog import RequestLog, RequestRecord
 
 
 class SimState:

@@ -13,7 +13,7 @@ import time
 from dataclasses import dataclass, fields
 from typing import Any
 
-from ops.sim.config import SimConfig
+from sim.config import SimConfig
 
 #: What an incoming /generate request should suffer.
 OK, ERROR, DISCONNECT = "ok", "error", "disconnect"

@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from ops.sim.errors import SimHttpError
+from sim.errors import SimHttpError
 
 
 def _unexpected(value: Any) -> str:

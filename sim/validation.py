@@ -12,9 +12,9 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
-from ops.sim.config import SimConfig
-from ops.sim.contract import check_contract
-from ops.sim.errors import SimHttpError
+from sim.config import SimConfig
+from sim.contract import check_contract
+from sim.errors import SimHttpError
 
 DEFAULT_MAX_NEW_TOKENS = 128
 BATCH_REFUSAL = "batch requests are not supported by the simulator"

@@ -20,11 +20,11 @@ from collections.abc import Awaitable, Callable
 
 from aiohttp import web
 
-from ops.sim import control, info
-from ops.sim.config import SimConfig
-from ops.sim.generate import handle_generate
-from ops.sim.responses import drop_connection
-from ops.sim.state import SIM_KEY, SimState
+from sim import control, info
+from sim.config import SimConfig
+from sim.generate import handle_generate
+from sim.responses import drop_connection
+from sim.state import SIM_KEY, SimState
 
 #: Listen backlog: the benchmark opens a few hundred connections at once.
 BACKLOG = 1024

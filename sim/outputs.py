@@ -24,7 +24,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Protocol
 
-from ops.sim.vocab import PlainVocab, load_vocab
+from sim.vocab import PlainVocab, load_vocab
 
 _LOGNORMAL_SIGMA = 0.75
 _THINK_FRACTION = 0.6

@@ -11,9 +11,9 @@ from typing import Any
 
 from aiohttp import web
 
-from ops.sim.config import SIM_VERSION
-from ops.sim.responses import json_response
-from ops.sim.state import SIM_KEY, SimState
+from sim.config import SIM_VERSION
+from sim.responses import json_response
+from sim.state import SIM_KEY, SimState
 
 
 async def handle_ok(request: web.Request) -> web.Response:

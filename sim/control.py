@@ -11,8 +11,8 @@ import json
 
 from aiohttp import web
 
-from ops.sim.responses import json_response
-from ops.sim.state import SIM_KEY
+from sim.responses import json_response
+from sim.state import SIM_KEY
 
 
 def _int_query(request: web.Request, name: str) -> int | None:

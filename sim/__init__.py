@@ -2,10 +2,10 @@
 
 Tests and demos cannot run SGLang (no GPU), so `datagen sim` stands in for it with the
 same wire format (shared/SGLANG_API.md), continuous-batching timing, deterministic
-outputs, aborts and injectable faults. See `ops.sim.server` for the routes.
+outputs, aborts and injectable faults. See `sim.server` for the routes.
 """
 
-from ops.sim.config import SimConfig
-from ops.sim.server import SimServer, main
+from sim.config import SimConfig
+from sim.server import SimServer, main
 
 __all__ = ["SimConfig", "SimServer", "main"]

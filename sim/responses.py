@@ -9,8 +9,8 @@ from typing import Any
 
 from aiohttp import web
 
-from ops.sim.engine import Sequence
-from ops.sim.outputs import OutputModel
+from sim.engine import Sequence
+from sim.outputs import OutputModel
 
 SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
 SSE_DONE = b"data: [DONE]\n\n"

@@ -15,12 +15,12 @@ from typing import Any
 
 from aiohttp import web
 
-from ops.sim.config import NONSTREAM_STEP_S, STREAM_CHUNK_S
-from ops.sim.engine import SchedulerReject, Sequence
-from ops.sim.errors import SimHttpError, fault_body
-from ops.sim.faults import DISCONNECT, ERROR
-from ops.sim.reqlog import RequestRecord
-from ops.sim.responses import (
+from sim.config import NONSTREAM_STEP_S, STREAM_CHUNK_S
+from sim.engine import SchedulerReject, Sequence
+from sim.errors import SimHttpError, fault_body
+from sim.faults import DISCONNECT, ERROR
+from sim.reqlog import RequestRecord
+from sim.responses import (
     SSE_DONE,
     build_output,
     drop_connection,
@@ -30,8 +30,8 @@ from ops.sim.responses import (
     sse_single,
     start_sse,
 )
-from ops.sim.state import SIM_KEY, SimState
-from ops.sim.validation import GenerateInput, parse_generate
+from sim.state import SIM_KEY, SimState
+from sim.validation import GenerateInput, parse_generate
 
 log = logging.getLogger(__name__)
 
