@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 from collections import Counter
 from pathlib import Path
+from typing import Any
 
 import psycopg
 import pytest
@@ -14,6 +15,7 @@ import redis
 from common.audit import sample_of
 from common.budget import Budget
 from common.celery_app import make_celery
+from common.errors import ServiceUnavailable
 from common.keys import dataset_keys
 from common.ledger import Ledger
 from common.settings import Settings
@@ -159,6 +161,36 @@ def test_a_failed_publish_stops_the_run_and_the_rerun_completes_it(
     rerun = _run(settings, templater, [path])["flaky"]
     assert rerun.enqueued + rerun.already_queued == 200
     assert _messages(redis_client, "flaky") == Counter({f"flaky-{i}": 1 for i in range(200)})
+
+
+def test_a_flush_failed_mid_chunk_is_resent_from_sql_not_replayed(
+    settings: Settings, templater: ChatTemplater, redis_client: redis.Redis, tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # A pipeline is not a transaction: the third chunk's connection drops after Redis took
+    # a part of it, and kombu cannot tell which part.
+    path = _write(tmp_path, "torn", 200)
+    flushes = Counter[str]()
+    real = redis.client.Pipeline.execute
+
+    def tear_the_third(self: redis.client.Pipeline, raise_on_error: bool = True) -> Any:
+        if any(args[0] == "LPUSH" for args, _ in self.command_stack):
+            flushes["n"] += 1
+            if flushes["n"] == 3:
+                del self.command_stack[10:]
+                real(self, raise_on_error)
+                raise redis.ConnectionError("Connection closed by server.")
+        return real(self, raise_on_error)
+
+    monkeypatch.setattr(redis.client.Pipeline, "execute", tear_the_third)
+    with pytest.raises(ServiceUnavailable, match="datagen enqueue"):
+        _run(settings, templater, [path])
+    sent = _messages(redis_client, "torn")
+    assert len(sent) == 2 * 37 + 10 and max(sent.values()) == 1
+    monkeypatch.setattr(redis.client.Pipeline, "execute", real)
+    rerun = _run(settings, templater, [path])["torn"]
+    assert (rerun.already_queued, rerun.enqueued) == (2 * 37 + 10, 200 - 2 * 37 - 10)
+    assert _messages(redis_client, "torn") == Counter({f"torn-{i}": 1 for i in range(200)})
 
 
 def test_after_a_load_postgresql_finds_a_group_of_one_dataset_by_its_primary_key(

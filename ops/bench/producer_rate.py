@@ -4,7 +4,7 @@
 + enqueue by the real ``Enqueuer`` in this process (tokenizer loaded once, beforehand).
 Median of 3 runs, each on an emptied Redis DB and a new SQLite file. ``--profile`` adds a
 run under py-spy; the stage breakdown and the candidate fixes, each measured in
-isolation, come from ``ops.bench.producer_stages`` and ``ops.bench.publish_paths``.
+isolation, come from ``ops.bench.producer_stages``.
 Target ≥ 5,000 prompts/s.
 
     python -m ops.bench.producer_rate [--quick] [--profile] [--no-stages]
@@ -17,7 +17,7 @@ import os
 import time
 from typing import Any
 
-from ops.bench import producer_stages, profiling, publish_paths
+from ops.bench import producer_stages, profiling
 from ops.bench.harness import (
     WORKDIR,
     Processes,
@@ -35,7 +35,7 @@ PRODUCER_RULES: tuple[tuple[str, str], ...] = (
     ("render chat template (jinja)", "render ("),
     ("tokenize (Rust)", "_tokenize ("),
     ("store prompts (SQL)", "insert_prompts ("),
-    ("publish (one LPUSH a chunk)", "publish ("),
+    ("publish (send_task, pipelined a chunk)", "publish ("),
     ("register / reconcile", "_register ("),
     ("prompt rows", "_prompt_rows ("),
     ("other Enqueuer", "Enqueuer."),
@@ -115,7 +115,6 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         figures["profile"] = show_profile(profiled_run(args.dbs.split(",")[0], folder))
     if not args.no_stages:
         figures["stages"] = producer_stages.run(min(args.prompts, 8000), args.reps)
-        figures["publish_paths"] = publish_paths.run(min(args.prompts, 3000), args.reps)
     return figures
 
 
