@@ -38,8 +38,8 @@ class Publisher:
         """Publish a chunk; returns only once every message of it is in Redis.
 
         Raises ServiceUnavailable when Redis fails mid-chunk: then some of the chunk's
-        messages may be in Redis and some not, and a re-run of ``datagen enqueue`` sends
-        exactly the missing ones.
+        messages may be in Redis and some not, so nothing is sent again blindly; a re-run
+        of ``datagen enqueue`` sends exactly the missing ones.
         """
         if not sample_ids:
             return
@@ -59,8 +59,8 @@ class Publisher:
         except BatchPublishError as exc:
             raise ServiceUnavailable(
                 f"Redis failed while publishing {dataset}'s messages ({exc.__cause__!r}); "
-                "some may have been queued. Run `datagen enqueue` again: it publishes "
-                "every queued prompt that Redis does not hold."
+                "some of them may be queued. Run `datagen enqueue` again (or let the "
+                "workers' sweep do it): it publishes each queued prompt Redis does not hold."
             ) from exc
 
     def publish_all(self, dataset: str, stamp: str, sample_ids: Sequence[str]) -> None:

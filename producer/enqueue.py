@@ -72,8 +72,8 @@ class Enqueuer:
     renders; one thread tokenizes (Rust, off the GIL); one thread stores and publishes.
 
     Each chunk is stored before it is published and chunks are written in order, so a
-    producer killed at any point leaves only prompts stored as queued without a message,
-    which the next run publishes.
+    producer killed at any point, even in the middle of a chunk's publishing, leaves only
+    prompts stored as queued without a message, which the next run publishes.
     """
 
     def __init__(
