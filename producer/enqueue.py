@@ -24,12 +24,16 @@ from common.rows import NewPrompt
 from common.store import DatasetRow, Store
 from producer.plan import DatasetPlan
 from producer.reader import PromptRecord, ReadReport, read_dataset
+from producer.sending import Sender
 from producer.template import ChatTemplater
 
 CHUNK = 1000
 # Chunks handed to the writer and not yet written: enough to keep every stage busy while
 # one waits, few enough that memory stays a few chunks of prompts.
 PIPELINE_DEPTH = 2
+# Chunks handed to the publishing process and not yet in Redis: only their sample ids wait,
+# so more may, and the publishing process never idles while this one catches up.
+SENDING_DEPTH = 8
 Progress = Callable[[int], None]
 
 
@@ -61,6 +65,8 @@ class _Written:
     read: int
     enqueued: int
     skipped: int
+    # Done once the chunk's messages are all in Redis; None when it sent none.
+    sent: Future[None] | None = None
 
 
 class _Abandoned(Exception):
@@ -68,12 +74,13 @@ class _Abandoned(Exception):
 
 
 class Enqueuer:
-    """Runs the producer as three overlapping stages: this thread reads, settles and
-    renders; one thread tokenizes (Rust, off the GIL); one thread stores and publishes.
+    """Runs the producer as four overlapping stages: this thread reads, settles and
+    renders; one thread tokenizes (Rust, off the GIL); one thread stores; a child process
+    publishes (producer/sending.py; ``publish_in_child=False`` keeps it in a thread).
 
     Each chunk is stored before it is published and chunks are written in order, so a
-    producer killed at any point leaves only prompts stored as queued without a message,
-    which the next run publishes.
+    producer killed at any point, even in the middle of a chunk's publishing, leaves only
+    prompts stored as queued without a message, which the next run publishes.
     """
 
     def __init__(
@@ -84,22 +91,28 @@ class Enqueuer:
         templater: ChatTemplater,
         limits: Limits,
         progress: Progress | None = None,
+        publish_in_child: bool = True,
     ) -> None:
         self.store, self.ledger, self.templater = store, ledger, templater
+        self.app, self.publish_in_child = app, publish_in_child
         self.publisher = Publisher(app)
         self.limits = limits
         self.progress = progress or (lambda n: None)
         # Made by each run, which shuts them down when it ends.
         self._tokenizing: ThreadPoolExecutor
         self._writing: ThreadPoolExecutor
+        self._sending: Sender
         self._written: deque[Future[_Written]] = deque()
+        self._sent: deque[Future[None]] = deque()
         self._failed = False
         self._analyzed = False
 
     def run(self, plans: list[DatasetPlan]) -> list[DatasetSummary]:
         self._tokenizing = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenize")
         self._writing = ThreadPoolExecutor(max_workers=1, thread_name_prefix="store")
+        self._sending = Sender(self.app, in_child=self.publish_in_child)
         self._written.clear()
+        self._sent.clear()
         self._failed = self._analyzed = False
         summaries = [DatasetSummary(p.name) for p in plans]
         streams = [self._dataset(p, s) for p, s in zip(plans, summaries, strict=True)]
@@ -109,10 +122,11 @@ class Enqueuer:
                 for stream in list(streams):
                     if next(stream, None) is None:
                         streams.remove(stream)
-            self._collect(0)
+            self._collect(0, 0)
         finally:
             for pool in (self._tokenizing, self._writing):
                 pool.shutdown(wait=True, cancel_futures=True)
+            self._sending.close()
         if self._analyzed:  # once more on the whole load
             self.store.refresh_statistics()
         for summary in summaries:
@@ -160,24 +174,30 @@ class Enqueuer:
             self._written.append(self._writing.submit(
                 self._write, plan, ds.stamp, summary, len(chunk), fresh, encoded, lost
             ))
-            self._collect(PIPELINE_DEPTH)
+            self._collect(PIPELINE_DEPTH, SENDING_DEPTH)
             yield True
         summary.read, summary.bad, summary.duplicates = report.read, report.bad, report.duplicates
         summary.problems = list(report.problems)
 
-    def _collect(self, keep: int) -> None:
-        """Wait for written chunks until at most ``keep`` are pending; count them."""
+    def _collect(self, keep: int, keep_sending: int) -> None:
+        """Wait for written chunks until at most ``keep`` are pending, and for sent ones
+        until at most ``keep_sending`` are; count them as written."""
         while len(self._written) > keep:
             done = self._written.popleft().result()
+            if done.sent is not None:
+                self._sent.append(done.sent)
             done.summary.enqueued += done.enqueued
             done.summary.skipped += done.skipped
             self.progress(done.read)
+        while len(self._sent) > keep_sending:
+            self._sent.popleft().result()
 
     def _write(
         self, plan: DatasetPlan, stamp: str, summary: DatasetSummary, read: int,
         fresh: list[PromptRecord], encoded: Future[list[list[int]]], lost: list[str],
     ) -> _Written:
-        """Store a chunk's new prompts, then publish them with the ones Redis lost."""
+        """Store a chunk's new prompts, then hand them and the ones Redis lost to the
+        publishing process."""
         if self._failed:
             # Chunks queued behind a failed one are not written: the run stops at the first
             # error, as it did when it wrote in its own thread.
@@ -203,8 +223,8 @@ class Enqueuer:
         to_send, skipped = lost + new, len(rows) - len(new)
         if not to_send or self.ledger.is_closed(plan.name):
             return _Written(summary, read, 0, skipped)
-        self.publisher.publish(plan.name, stamp, to_send)
-        return _Written(summary, read, len(to_send), skipped)
+        sent = self._sending.submit(plan.name, stamp, to_send)
+        return _Written(summary, read, len(to_send), skipped, sent)
 
     @staticmethod
     def _settle(

@@ -15,8 +15,10 @@ import sqlalchemy as sa
 from common.audit import sample_of
 from common.budget import Budget
 from common.celery_app import make_celery
+from common.errors import ServiceUnavailable
 from common.keys import dataset_keys
 from common.ledger import Ledger
+from common.publish import Publisher
 from common.rows import ResultRow
 from common.settings import Settings
 from common.store import Store
@@ -50,12 +52,14 @@ def _write(folder: Path, name: str, n: int, long_every: int = 0) -> Path:
 
 def _run(settings: Settings, templater: ChatTemplater, paths: list[Path],
          max_seq_len: int = 4096, budget: Budget | None = None,
-         progress: list[int] | None = None) -> dict[str, enqueue_module.DatasetSummary]:
+         progress: list[int] | None = None,
+         in_child: bool = True) -> dict[str, enqueue_module.DatasetSummary]:
     plans = plans_from_paths([str(p) for p in paths], budget or Budget(), {}, 256)
     enqueuer = Enqueuer(Store(settings.database_url),
                         Ledger(redis.Redis.from_url(settings.redis_url)),
                         make_celery(settings), templater, Limits(max_seq_len),
-                        progress=None if progress is None else progress.append)
+                        progress=None if progress is None else progress.append,
+                        publish_in_child=in_child)
     return {s.name: s for s in enqueuer.run(plans)}
 
 
@@ -143,24 +147,55 @@ def test_a_failed_publish_stops_the_run_and_the_rerun_completes_it(
 ) -> None:
     path = _write(tmp_path, "flaky", 200)
     calls = Counter[str]()
-    real = enqueue_module.Publisher.publish
+    real = Publisher.publish
 
-    def publish_then_fail(self: enqueue_module.Publisher, dataset: str, stamp: str,
+    def publish_then_fail(self: Publisher, dataset: str, stamp: str,
                           ids: list[str]) -> None:
         calls["n"] += 1
         if calls["n"] == 3:
             raise redis.ConnectionError("Redis went away")
         real(self, dataset, stamp, ids)
 
-    monkeypatch.setattr(enqueue_module.Publisher, "publish", publish_then_fail)
+    # Changed in this process only, so the publishing stays in a thread of it.
+    monkeypatch.setattr(Publisher, "publish", publish_then_fail)
     with pytest.raises(redis.ConnectionError):
-        _run(settings, templater, [path])
+        _run(settings, templater, [path], in_child=False)
     sent = _messages(redis_client, "flaky")
     assert len(sent) == 2 * 37 and max(sent.values()) == 1
-    monkeypatch.setattr(enqueue_module.Publisher, "publish", real)
+    monkeypatch.setattr(Publisher, "publish", real)
     rerun = _run(settings, templater, [path])["flaky"]
     assert rerun.enqueued + rerun.already_queued == 200
     assert _messages(redis_client, "flaky") == Counter({f"flaky-{i}": 1 for i in range(200)})
+
+
+def test_a_flush_failed_mid_chunk_is_resent_from_sql_not_replayed(
+    settings: Settings, templater: ChatTemplater, redis_client: redis.Redis, tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # A pipeline is not a transaction: the third chunk's connection drops after Redis took
+    # a part of it, and kombu cannot tell which part.
+    path = _write(tmp_path, "torn", 200)
+    flushes = Counter[str]()
+    real = redis.client.Pipeline.execute
+
+    def tear_the_third(self: redis.client.Pipeline, raise_on_error: bool = True) -> Any:
+        if any(args[0] == "LPUSH" for args, _ in self.command_stack):
+            flushes["n"] += 1
+            if flushes["n"] == 3:
+                del self.command_stack[10:]
+                real(self, raise_on_error)
+                raise redis.ConnectionError("Connection closed by server.")
+        return real(self, raise_on_error)
+
+    monkeypatch.setattr(redis.client.Pipeline, "execute", tear_the_third)
+    with pytest.raises(ServiceUnavailable, match="datagen enqueue"):
+        _run(settings, templater, [path], in_child=False)
+    sent = _messages(redis_client, "torn")
+    assert len(sent) == 2 * 37 + 10 and max(sent.values()) == 1
+    monkeypatch.setattr(redis.client.Pipeline, "execute", real)
+    rerun = _run(settings, templater, [path])["torn"]
+    assert (rerun.already_queued, rerun.enqueued) == (2 * 37 + 10, 200 - 2 * 37 - 10)
+    assert _messages(redis_client, "torn") == Counter({f"torn-{i}": 1 for i in range(200)})
 
 
 def test_after_a_load_postgresql_finds_a_group_of_one_dataset_by_its_primary_key(

@@ -1,4 +1,5 @@
-"""The producer's publisher: one LPUSH per chunk, messages as Celery's send_task forms them."""
+"""The producer's publisher: Celery's send_task in kombu's Producer.batch, one pipelined
+round trip a chunk, messages a worker reads and a dataset's stamp revokes."""
 
 from __future__ import annotations
 
@@ -15,8 +16,9 @@ from celery.worker.request import Request
 
 from common.audit import queued_in_redis, sample_of
 from common.celery_app import GENERATE_TASK, STAMP, make_celery
+from common.errors import ServiceUnavailable
 from common.keys import queue_name
-from common.publish import Publisher
+from common.publish import BATCH_SIZE, Publisher
 from tests.conftest import make_settings
 from workers.app import create_app
 
@@ -37,10 +39,12 @@ def _queue(client: redis.Redis) -> list[dict[str, Any]]:
     return [json.loads(raw) for raw in reversed(client.lrange(queue_name(DATASET), 0, -1))]
 
 
-def _via_send_task(app: Celery, ids: list[str]) -> None:
-    publisher = Publisher(app)
-    with app.producer_or_acquire() as producer:
-        publisher._publish_via_celery(producer, queue_name(DATASET), DATASET, STAMP_VALUE, ids)
+def _via_plain_send_task(app: Celery, ids: list[str]) -> None:
+    """One send_task a message with nothing but the task's own options."""
+    for sid in ids:
+        app.send_task(GENERATE_TASK, kwargs={"dataset": DATASET, "sample_id": sid},
+                      queue=queue_name(DATASET), ignore_result=True,
+                      stamped_headers=[STAMP], **{STAMP: STAMP_VALUE})
 
 
 def _without_fresh_ids(message: dict[str, Any]) -> dict[str, Any]:
@@ -49,22 +53,19 @@ def _without_fresh_ids(message: dict[str, Any]) -> dict[str, Any]:
         del out["headers"][key]
     for key in ("correlation_id", "delivery_tag"):
         del out["properties"][key]
-    # send_task also copies its repr options into the properties; nothing reads them there.
-    for key in ("argsrepr", "kwargsrepr"):
-        out["properties"].pop(key, None)
     return out
 
 
-def test_messages_equal_send_tasks_but_for_fresh_ids(
+def test_messages_equal_a_plain_send_tasks_but_for_fresh_ids(
     app: Celery, redis_client: redis.Redis
 ) -> None:
     Publisher(app).publish(DATASET, STAMP_VALUE, ODD_IDS)
-    fast = _queue(redis_client)
+    batched = _queue(redis_client)
     redis_client.delete(queue_name(DATASET))
-    _via_send_task(app, ODD_IDS)
-    slow = _queue(redis_client)
-    assert [_without_fresh_ids(m) for m in fast] == [_without_fresh_ids(m) for m in slow]
-    assert [sample_of(m) for m in fast] == [(DATASET, sid) for sid in ODD_IDS]
+    _via_plain_send_task(app, ODD_IDS)
+    plain = _queue(redis_client)
+    assert [_without_fresh_ids(m) for m in batched] == [_without_fresh_ids(m) for m in plain]
+    assert [sample_of(m) for m in batched] == [(DATASET, sid) for sid in ODD_IDS]
 
 
 def test_each_message_has_its_own_consistent_ids(app: Celery, redis_client: redis.Redis) -> None:
@@ -106,13 +107,50 @@ def test_a_worker_reads_the_task_and_its_stamp_revokes_it(
     worker_app.close()
 
 
-def test_chunk_lands_in_order_in_one_push(app: Celery, redis_client: redis.Redis) -> None:
-    ids = [f"s{i:04d}" for i in range(1000)]
+def test_the_producer_pipelines_its_publishes(app: Celery) -> None:
+    # Without it (a Redis client that retries on timeout or error), kombu's batch
+    # silently sends each message with its own round trip.
+    with app.producer_or_acquire() as producer:
+        assert producer.supports_batch_publish
+
+
+def test_each_chunk_lands_in_order_in_one_round_trip(
+    app: Celery, redis_client: redis.Redis, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    ids = [f"s{i:04d}" for i in range(BATCH_SIZE)]
+    sent: list[int] = []
+    real = redis.client.Pipeline.execute
+
+    def execute(self: redis.client.Pipeline, raise_on_error: bool = True) -> list[Any]:
+        sent.append(len(self.command_stack))
+        return real(self, raise_on_error)
+
+    monkeypatch.setattr(redis.client.Pipeline, "execute", execute)
     publisher = Publisher(app)
-    publisher.publish(DATASET, STAMP_VALUE, ids)
+    publisher.publish(DATASET, STAMP_VALUE, ids[:500])
     publisher.publish(DATASET, STAMP_VALUE, [])
+    # The first chunk leaves the pooled connection set up to pipeline the next one too.
+    publisher.publish(DATASET, STAMP_VALUE, ids[500:])
+    assert sent == [500, BATCH_SIZE - 500]
     assert [sample_of(m) for m in _queue(redis_client)] == [(DATASET, s) for s in ids]
     assert queued_in_redis(redis_client, DATASET) == set(ids)
+
+
+def test_a_failed_flush_is_reported_not_replayed(
+    app: Celery, redis_client: redis.Redis, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The connection drops after Redis took the first half of the chunk.
+    def half_then_drop(self: redis.client.Pipeline, raise_on_error: bool = True) -> None:
+        client = redis.Redis.from_url(app.conf.broker_url)
+        for args, _options in self.command_stack[: len(self.command_stack) // 2]:
+            client.execute_command(*args)
+        raise redis.ConnectionError("Connection closed by server.")
+
+    monkeypatch.setattr(redis.client.Pipeline, "execute", half_then_drop)
+    ids = [f"s{i}" for i in range(10)]
+    with pytest.raises(ServiceUnavailable, match="datagen enqueue"):
+        Publisher(app).publish(DATASET, STAMP_VALUE, ids)
+    assert [sample_of(m) for m in _queue(redis_client)] == [(DATASET, s) for s in ids[:5]]
 
 
 def test_message_stays_a_small_reference(app: Celery, redis_client: redis.Redis) -> None:
@@ -121,9 +159,7 @@ def test_message_stays_a_small_reference(app: Celery, redis_client: redis.Redis)
     assert raw is not None and len(raw) <= 1100
 
 
-def test_falls_back_to_send_task_when_the_template_cannot_apply(
-    app: Celery, redis_client: redis.Redis
-) -> None:
+def test_the_apps_message_options_apply(app: Celery, redis_client: redis.Redis) -> None:
     app.conf.task_compression = "zlib"
     Publisher(app).publish(DATASET, STAMP_VALUE, ["a", "b"])
     messages = _queue(redis_client)

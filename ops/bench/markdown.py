@@ -70,9 +70,6 @@ def _producer(r: dict[str, Any]) -> str:
                          [(k, f"{v:.0f}") for k, v in st["stages_us"].items()])
         out += "\n" + md(["loop variant", "prompts/s"],
                          [(k, s(v, 0)) for k, v in st["variants"].items()])
-    if "publish_paths" in r:
-        out += "\n" + md(["publishing path", "µs/message"],
-                         [(k, s(v)) for k, v in r["publish_paths"].items()])
     return out
 
 

@@ -47,8 +47,9 @@ def py_spy() -> str:
 
 
 def record(procs: Processes, pid: int, out: Path, *, rate: int = 100,
-           gil: bool = False) -> subprocess.Popen[bytes]:
-    """Start sampling ``pid``; ``gil``: only the thread holding the GIL.
+           gil: bool = False, subprocesses: bool = False) -> subprocess.Popen[bytes]:
+    """Start sampling ``pid``; ``gil``: only the thread holding the GIL; ``subprocesses``:
+    its child processes too, as they start.
 
     Blocking mode (py-spy pauses the target for each sample): slower, but non-blocking
     reads of a busy process return torn stacks.
@@ -57,6 +58,8 @@ def record(procs: Processes, pid: int, out: Path, *, rate: int = 100,
             "--output", str(out)]
     if gil:
         argv.append("--gil")
+    if subprocesses:
+        argv.append("--subprocesses")
     return procs.start(argv, log=out.with_suffix(".log"))
 
 
