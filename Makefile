@@ -33,11 +33,11 @@ compose-check:
 
 ## Benchmarks (prints tables; writes nothing in the repo): see docs/PERFORMANCE.md.
 bench: $(STAMP)
-	$(PY) -m ops.bench
+	$(PY) -m bench
 
 ## Fault scenarios at scale; rewrites docs/RELIABILITY.md.
 reliability: $(STAMP)
-	$(PY) -m ops.reliability
+	$(PY) -m bench.reliability
 
 typecheck: $(STAMP)
 	$(PY) -m mypy

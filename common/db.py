@@ -70,7 +70,7 @@ def pooled_engine(url: str, connections: int = DEFAULT_DB_CONNECTIONS, **pool: A
         # Last in, first out: each SQLite connection keeps its own compiled statements (a
         # group's statements differ by its size) and page cache, up to 8 MB once warm, so
         # the pool hands out the connections used last and leaves the others cold. Taken in
-        # turn, all 16 warmed up: 30-37 MB more RSS after 100,000 samples (ops.bench.memory).
+        # turn, all 16 warmed up: 30-37 MB more RSS after 100,000 samples (bench.memory).
         engine = sa.create_engine(
             url, connect_args={"timeout": 60, "check_same_thread": False},
             **{"pool_size": 16, "max_overflow": 240, "pool_timeout": 120, "pool_use_lifo": True,

@@ -1,7 +1,7 @@
 """Throw-away services for fault injection: a private redis-server that may be crashed,
 wiped and restarted on the same port (the PostgreSQL cluster is in faultkit_pg), datagen
 worker subprocesses, and the simulator on a fixed port with its request log. Used by
-tests/test_faults_*.py and ops/reliability.py.
+tests/test_faults_*.py and bench/reliability.py.
 
 Everything started here is stopped by ``close()`` (the classes are context managers), so a
 failing test leaves no process behind. The shared servers on 6379/5432 are never touched.

@@ -1,5 +1,5 @@
 """Fault scenarios on Redis and PostgreSQL, each a function of its scale, returning what
-it measured. The tests run them small; ``python -m ops.reliability`` runs them large."""
+it measured. The tests run them small; ``python -m bench.reliability`` runs them large."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """One run's stack (settings, private services, simulator, datasets) and what a scenario
-reports. Shared by the fault tests and ``python -m ops.reliability``."""
+reports. Shared by the fault tests and ``python -m bench.reliability``."""
 
 from __future__ import annotations
 

@@ -16,9 +16,9 @@ import pytest
 import redis
 import sqlalchemy as sa
 
-from ops.bench.__main__ import commands, parse
-from ops.bench.costs import RedisMonitor
-from ops.bench.harness import (
+from bench.__main__ import commands, parse
+from bench.costs import RedisMonitor
+from bench.harness import (
     BUNDLED_TOKENIZER,
     Processes,
     _answers,
@@ -29,11 +29,11 @@ from ops.bench.harness import (
     main_thread,
     wait_until,
 )
-from ops.bench.memory import growth_per_10k, long_key
-from ops.bench.overhead import round_order
-from ops.bench.report import RESULT_PREFIX
-from ops.bench.runs import watch
-from ops.bench.summary import headline
+from bench.memory import growth_per_10k, long_key
+from bench.overhead import round_order
+from bench.report import RESULT_PREFIX
+from bench.runs import watch
+from bench.summary import headline
 from tests.conftest import POSTGRES_URL, REDIS_URL, ROOT
 
 
@@ -188,7 +188,7 @@ def test_make_bench_runs_end_to_end_at_quick_scale(tmp_path: Path,
     env = {**os.environ, "DATAGEN_BENCH_REDIS_URL": REDIS_URL,
            "DATAGEN_BENCH_POSTGRES_URL": POSTGRES_URL, "DATAGEN_BENCH_DIR": str(tmp_path)}
     done = subprocess.run(
-        [sys.executable, "-m", "ops.bench", "--quick", "--only", "guard,overhead",
+        [sys.executable, "-m", "bench", "--quick", "--only", "guard,overhead",
          "--out", str(out)], env=env, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     results = json.loads(out.read_text())["results"]
@@ -224,7 +224,7 @@ def test_the_fleet_projection_counts_costs_at_a_paced_rate(tmp_path: Path,
     env = {**os.environ, "DATAGEN_BENCH_REDIS_URL": REDIS_URL,
            "DATAGEN_BENCH_POSTGRES_URL": POSTGRES_URL, "DATAGEN_BENCH_DIR": str(tmp_path)}
     done = subprocess.run(
-        [sys.executable, "-m", "ops.bench.scaling", "--quick", "--workers", "1",
+        [sys.executable, "-m", "bench.scaling", "--quick", "--workers", "1",
          "--samples", "300", "--cost-samples", "100", "--paced-samples", "64"],
         env=env, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
@@ -252,10 +252,10 @@ def test_the_overhead_legs_take_turns_in_each_place_of_a_round() -> None:
 
 
 def test_a_benchmark_run_alone_makes_its_directory(tmp_path: Path) -> None:
-    """`python -m ops.bench.<name>` on a fresh machine: the simulator, usually the first
+    """`python -m bench.<name>` on a fresh machine: the simulator, usually the first
     thing a benchmark starts, takes the bench directory and makes it for its log."""
     workdir = tmp_path / "not-yet"
-    code = ("from ops.bench.harness import Processes, start_sim\n"
+    code = ("from bench.harness import Processes, start_sim\n"
             "with Processes() as procs:\n"
             "    print(start_sim(procs, slots=4)[0])\n")
     env = {**os.environ, "DATAGEN_BENCH_REDIS_URL": REDIS_URL, "DATAGEN_BENCH_DIR": str(workdir)}
@@ -272,7 +272,7 @@ def test_the_overhead_legs_run_on_as_many_worker_processes_as_asked(
     processes, so the ratio compares the same settings."""
     env = {**os.environ, "DATAGEN_BENCH_REDIS_URL": REDIS_URL, "DATAGEN_BENCH_DIR": str(tmp_path)}
     done = subprocess.run(
-        [sys.executable, "-m", "ops.bench.overhead", "--dbs", "sqlite", "--samples", "200",
+        [sys.executable, "-m", "bench.overhead", "--dbs", "sqlite", "--samples", "200",
          "--rounds", "1", "--workers", "2", "--concurrency", "8"],
         env=env, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
@@ -286,13 +286,13 @@ def test_the_overhead_legs_run_on_as_many_worker_processes_as_asked(
 
 def test_the_long_memory_run_settles_each_part_as_new_prompts(tmp_path: Path,
                                                               redis_client: redis.Redis) -> None:
-    """``ops.bench.memory``'s long run, cut short, on both databases: every part is a new
+    """``bench.memory``'s long run, cut short, on both databases: every part is a new
     set of prompts, all settled by the one worker before its RSS is read, so each run's
     results table ends with every sample of every part, once."""
     env = {**os.environ, "DATAGEN_BENCH_REDIS_URL": REDIS_URL,
            "DATAGEN_BENCH_POSTGRES_URL": POSTGRES_URL, "DATAGEN_BENCH_DIR": str(tmp_path)}
     done = subprocess.run(
-        [sys.executable, "-m", "ops.bench.memory", "--quick", "--concurrency", "64",
+        [sys.executable, "-m", "bench.memory", "--quick", "--concurrency", "64",
          "--samples", "200", "--queued", "200", "--long", "600", "--long-parts", "3",
          "--long-dbs", "sqlite,postgresql"],
         env=env, cwd=ROOT, capture_output=True, text=True, timeout=300)

@@ -153,7 +153,7 @@ def test_redis_connection_blip_costs_at_most_one_extra_request(
 
 def test_a_redis_outage_strands_no_prompt(private_redis: PrivateRedis, tmp_path: Path) -> None:
     """Redis unreachable for 4 s, its data kept, while every slot has a request in flight
-    (the ``redis-outage`` scenario of ``python -m ops.reliability``, small)."""
+    (the ``redis-outage`` scenario of ``python -m bench.reliability``, small)."""
     with OutageProxy(private_redis.port) as proxy, \
             Sim(tmp_path / "sim.jsonl", **PACED) as sim:
         settings = make_settings(f"sqlite:///{tmp_path / 'db.sqlite'}", sim.url,

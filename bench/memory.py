@@ -9,7 +9,7 @@ PostgreSQL, whose drivers keep different caches. Redis: INFO
 ``MEMORY USAGE`` of every key of the database. Targets: ≤ 250 MB at c=64 (after the warm
 run and after the long one), ≤ 1.2 KB/task.
 
-    python -m ops.bench.memory [--quick] [--long N] [--long-parts K] [--long-dbs DBS]
+    python -m bench.memory [--quick] [--long N] [--long-parts K] [--long-dbs DBS]
 """
 
 from __future__ import annotations
@@ -22,8 +22,7 @@ from typing import Any
 
 import redis
 
-from common.store import Store
-from ops.bench.harness import (
+from bench.harness import (
     WORKDIR,
     Processes,
     bench_settings,
@@ -35,9 +34,10 @@ from ops.bench.harness import (
     start_worker,
     wait_until,
 )
-from ops.bench.report import Summary, emit, table, verdict
-from ops.bench.runs import pipeline_leg, settled
-from ops.bench.synth import enqueue, prompt_files
+from bench.report import Summary, emit, table, verdict
+from bench.runs import pipeline_leg, settled
+from bench.synth import enqueue, prompt_files
+from common.store import Store
 
 TARGET_RSS_MB, TARGET_BYTES = 250.0, 1200.0
 # The databases a long run can use, and their names in tables.
@@ -46,7 +46,7 @@ IDLE_WAIT_S = 6.0
 
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m ops.bench.memory", description=__doc__)
+    p = argparse.ArgumentParser(prog="python -m bench.memory", description=__doc__)
     p.add_argument("--quick", action="store_true", help="600 samples, 2,000 queued, 1 rep")
     p.add_argument("--samples", type=int, help="warm-run samples (default 3000)")
     p.add_argument("--concurrency", default="64,256")

@@ -18,11 +18,7 @@ from typing import Any
 
 import sqlalchemy as sa
 
-from common.keys import queue_name
-from common.schema import prompts
-from common.settings import Settings
-from common.store import Store
-from ops.bench.harness import (
+from bench.harness import (
     WORKDIR,
     Processes,
     context_switches,
@@ -37,6 +33,10 @@ from ops.bench.harness import (
     start_worker,
     wait_until,
 )
+from common.keys import queue_name
+from common.schema import prompts
+from common.settings import Settings
+from common.store import Store
 
 FINISHED = ("stop", "length")
 
@@ -217,7 +217,7 @@ def bare_celery_leg(procs: Processes, label: str, settings: Settings, sim: tuple
     sim_reset(sim[0])
     env = {**settings.to_env(), "DATAGEN_BENCH_PAYLOADS": str(payload_file)}
     started = [procs.start(
-        [sys.executable, "-m", "celery", "-A", "ops.bench.bare_worker", "worker",
+        [sys.executable, "-m", "celery", "-A", "bench.bare_worker", "worker",
          "--pool=threads", f"--concurrency={settings.concurrency}", "--loglevel=WARNING",
          "--without-gossip", "--without-mingle", "-Q", ",".join(queues),
          f"--hostname=bare{k}-{time.monotonic_ns()}@bench"],

@@ -1,6 +1,6 @@
-"""``python -m ops.bench.markdown RESULTS.json``: the figures of a run as Markdown tables.
+"""``python -m bench.markdown RESULTS.json``: the figures of a run as Markdown tables.
 
-RESULTS.json is what ``python -m ops.bench`` writes; docs/PERFORMANCE.md quotes these
+RESULTS.json is what ``python -m bench`` writes; docs/PERFORMANCE.md quotes these
 tables, so its numbers come from one file rather than from copying by hand.
 """
 
@@ -12,8 +12,8 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from ops.bench.memory import LONG_DBS, long_key
-from ops.bench.summary import headline
+from bench.memory import LONG_DBS, long_key
+from bench.summary import headline
 
 
 def md(header: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
@@ -159,7 +159,7 @@ def render(collected: dict[str, Any]) -> str:
 def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
     if len(args) != 1:
-        print("usage: python -m ops.bench.markdown RESULTS.json", file=sys.stderr)
+        print("usage: python -m bench.markdown RESULTS.json", file=sys.stderr)
         return 2
     print(render(json.loads(Path(args[0]).read_text())))
     return 0

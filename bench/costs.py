@@ -19,7 +19,7 @@ import redis
 import sqlalchemy as sa
 from sqlalchemy.engine import Engine
 
-from ops.bench.harness import POSTGRES_SA_URL, REDIS_URL
+from bench.harness import POSTGRES_SA_URL, REDIS_URL
 
 
 class RedisMonitor:

@@ -9,7 +9,7 @@ over them; each abort sent to the server its rid names, the servers side by side
 the same close with every rid sent to every server in turn, as it was before rids named
 their server. Target: p99 < 50 ms.
 
-    python -m ops.bench.guard [--quick]
+    python -m bench.guard [--quick]
 """
 
 from __future__ import annotations
@@ -21,6 +21,14 @@ from typing import Any
 
 import redis
 
+from bench.harness import (
+    Processes,
+    bench_settings,
+    fresh_db,
+    fresh_redis,
+    start_sim,
+)
+from bench.report import emit, percentile, table, verdict
 from common.budget import Budget
 from common.celery_app import make_celery
 from common.closing import after_close
@@ -30,14 +38,6 @@ from common.publish import Publisher
 from common.rids import new_rid
 from common.sglang_client import SGLangClient
 from common.store import DatasetRow, Store
-from ops.bench.harness import (
-    Processes,
-    bench_settings,
-    fresh_db,
-    fresh_redis,
-    start_sim,
-)
-from ops.bench.report import emit, percentile, table, verdict
 
 TARGET_MS = 50.0
 BUDGET = 1000
@@ -49,7 +49,7 @@ REFERENCE = "every rid to every server"
 
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m ops.bench.guard", description=__doc__)
+    p = argparse.ArgumentParser(prog="python -m bench.guard", description=__doc__)
     p.add_argument("--quick", action="store_true", help="50 crossings per case")
     p.add_argument("--crossings", type=int, help="crossings per case (default 200)")
     p.add_argument("--queued", default="0,1000,10000", help="messages queued at the crossing")

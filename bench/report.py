@@ -14,7 +14,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from ops.bench.harness import machine
+from bench.harness import machine
 
 RESULT_PREFIX = "bench-result "
 
@@ -64,7 +64,7 @@ def table(title: str, header: Sequence[str], rows: Sequence[Sequence[Any]]) -> N
 
 
 def emit(bench: str, args: argparse.Namespace, figures: dict[str, Any]) -> None:
-    """The one line tests and ``python -m ops.bench`` read: ``bench-result {json}``, with
+    """The one line tests and ``python -m bench`` read: ``bench-result {json}``, with
     the date and the machine it ran on."""
     payload = {"bench": bench, "quick": bool(getattr(args, "quick", False)),
                "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),

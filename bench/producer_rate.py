@@ -5,10 +5,10 @@
 loaded once, beforehand); CPU counts both processes.
 Median of 3 runs, each on an emptied Redis DB and a new SQLite file. ``--profile`` adds a
 run under py-spy; the stage breakdown and the candidate fixes, each measured in
-isolation, come from ``ops.bench.producer_stages``.
+isolation, come from ``bench.producer_stages``.
 Target ≥ 5,000 prompts/s.
 
-    python -m ops.bench.producer_rate [--quick] [--profile] [--no-stages]
+    python -m bench.producer_rate [--quick] [--profile] [--no-stages]
 """
 
 from __future__ import annotations
@@ -19,8 +19,8 @@ import resource
 import time
 from typing import Any
 
-from ops.bench import producer_stages, profiling
-from ops.bench.harness import (
+from bench import producer_stages, profiling
+from bench.harness import (
     WORKDIR,
     Processes,
     bench_settings,
@@ -28,8 +28,8 @@ from ops.bench.harness import (
     fresh_db,
     fresh_redis,
 )
-from ops.bench.report import Summary, emit, table, verdict
-from ops.bench.synth import enqueue, prompt_files, templater
+from bench.report import Summary, emit, table, verdict
+from bench.synth import enqueue, prompt_files, templater
 
 TARGET = 5000.0
 PRODUCER_RULES: tuple[tuple[str, str], ...] = (
@@ -45,7 +45,7 @@ PRODUCER_RULES: tuple[tuple[str, str], ...] = (
 
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m ops.bench.producer_rate", description=__doc__)
+    p = argparse.ArgumentParser(prog="python -m bench.producer_rate", description=__doc__)
     p.add_argument("--quick", action="store_true", help="8,000 prompts")
     p.add_argument("--prompts", type=int, help="default 88,088")
     p.add_argument("--reps", type=int, default=3)

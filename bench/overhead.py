@@ -11,7 +11,7 @@ another checkout (e.g. ``git archive HEAD | tar -x -C DIR``): old and new side b
 ``--workers N`` runs every leg, bare ones included, on N worker processes of
 ``--concurrency`` threads each (default one process of 64; ``cores``: one per core).
 
-    python -m ops.bench.overhead [--quick] [--profile] [--baseline DIR] [--workers N|cores]
+    python -m bench.overhead [--quick] [--profile] [--baseline DIR] [--workers N|cores]
 """
 
 from __future__ import annotations
@@ -26,10 +26,9 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from common.settings import Settings
-from ops.bench import profiling
-from ops.bench import runs as bench_runs
-from ops.bench.harness import (
+from bench import profiling
+from bench import runs as bench_runs
+from bench.harness import (
     MACHINE,
     STEAL,
     WORKDIR,
@@ -41,9 +40,10 @@ from ops.bench.harness import (
     sim_requests,
     start_sim,
 )
-from ops.bench.report import Summary, emit, table, verdict
-from ops.bench.runs import Leg, bare_celery_leg, pipeline_leg
-from ops.bench.synth import enqueue, prompt_files
+from bench.report import Summary, emit, table, verdict
+from bench.runs import Leg, bare_celery_leg, pipeline_leg
+from bench.synth import enqueue, prompt_files
+from common.settings import Settings
 
 TARGET_RATIO, TARGET_RATE = 0.8, 400.0
 PROFILE_DELAY_S = 2.0
@@ -52,7 +52,7 @@ PROFILE_RATE_HZ = 100
 
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m ops.bench.overhead", description=__doc__)
+    p = argparse.ArgumentParser(prog="python -m bench.overhead", description=__doc__)
     p.add_argument("--quick", action="store_true", help="600 samples, 2 rounds")
     p.add_argument("--samples", type=int, help="samples per leg (default 3000)")
     p.add_argument("--rounds", type=int, help="rounds of (pipeline..., bare) (default 3)")

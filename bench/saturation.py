@@ -6,7 +6,7 @@ so at most 4,800 tok/s). Legs alternate A B A B ...: A = enqueue + one ``datagen
 with the same prompt ids and sampling. Figure: output tokens/s over the busy window (first
 to last completion, from the server's log); target A / B ≥ 0.97.
 
-    python -m ops.bench.saturation [--quick]
+    python -m bench.saturation [--quick]
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from typing import Any
 
 import aiohttp
 
-from ops.bench.harness import (
+from bench.harness import (
     WORKDIR,
     Processes,
     bench_settings,
@@ -32,16 +32,16 @@ from ops.bench.harness import (
     sim_reset,
     start_sim,
 )
-from ops.bench.report import Summary, emit, table, verdict
-from ops.bench.runs import Leg, busy_window, dump_payloads, pipeline_leg
-from ops.bench.synth import enqueue, prompt_files
+from bench.report import Summary, emit, table, verdict
+from bench.runs import Leg, busy_window, dump_payloads, pipeline_leg
+from bench.synth import enqueue, prompt_files
 
 TARGET = 0.97
 MAX_NEW_TOKENS = 1024  # bounds the tail: the last request ends ≤ 10 s after the others
 
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m ops.bench.saturation", description=__doc__)
+    p = argparse.ArgumentParser(prog="python -m bench.saturation", description=__doc__)
     p.add_argument("--quick", action="store_true", help="~10 s legs (160 samples)")
     p.add_argument("--samples", type=int, help="samples per leg (default 960: ~60 s)")
     p.add_argument("--pairs", type=int, default=3, help="A B pairs")

@@ -21,13 +21,13 @@ from typing import Any
 
 from tokenizers import Tokenizer
 
+from bench.harness import bench_settings, fresh_db, fresh_redis
+from bench.report import Summary, table
+from bench.synth import prompt_files, templater
 from common.celery_app import make_celery
 from common.publish import Publisher
 from common.rows import NewPrompt
 from common.store import Store
-from ops.bench.harness import bench_settings, fresh_db, fresh_redis
-from ops.bench.report import Summary, table
-from ops.bench.synth import prompt_files, templater
 from producer.reader import PromptRecord, ReadReport, read_dataset
 from producer.template import BUNDLED_TOKENIZER
 

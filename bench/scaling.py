@@ -7,7 +7,7 @@ paced rate against one that takes seconds per answer. A fleet's worker runs at t
 second kind of pace (a sample a second, not hundreds), where a freed slot takes one
 message and groups hold one sample, so the projection uses the paced counts.
 
-    python -m ops.bench.scaling [--quick] [--no-costs] [--paced-samples N]
+    python -m bench.scaling [--quick] [--no-costs] [--paced-samples N]
 """
 
 from __future__ import annotations
@@ -16,10 +16,8 @@ import argparse
 import time
 from typing import Any
 
-from common.settings import Settings
-from common.store import Store
-from ops.bench import costs
-from ops.bench.harness import (
+from bench import costs
+from bench.harness import (
     Processes,
     bench_settings,
     clean_workdir,
@@ -31,9 +29,11 @@ from ops.bench.harness import (
     start_worker,
     wait_until,
 )
-from ops.bench.report import Summary, emit, table
-from ops.bench.runs import Leg, pipeline_leg, settled, watch
-from ops.bench.synth import enqueue, prompt_files
+from bench.report import Summary, emit, table
+from bench.runs import Leg, pipeline_leg, settled, watch
+from bench.synth import enqueue, prompt_files
+from common.settings import Settings
+from common.store import Store
 
 NODE_TOK_S = 930.0  # one 8-GPU SGLang node, typical (shared/BRIEF.md)
 FLEET = 100
@@ -48,7 +48,7 @@ IDLE_CPU_S = 10.0  # the window a worker subprocess with nothing queued is timed
 
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m ops.bench.scaling", description=__doc__)
+    p = argparse.ArgumentParser(prog="python -m bench.scaling", description=__doc__)
     p.add_argument("--quick", action="store_true", help="600 samples, SQLite only, 1 rep")
     p.add_argument("--samples", type=int, help="samples per leg (default 3000)")
     p.add_argument("--workers", default="1,2,4")

@@ -1,4 +1,4 @@
-"""``python -m ops.bench [--quick] [--only a,b] [--no-profile]``: every benchmark in turn.
+"""``python -m bench [--quick] [--only a,b] [--no-profile]``: every benchmark in turn.
 
 Each runs as its own process (a failure stops only that one), its output streamed
 through; the ``bench-result`` lines are collected into one JSON file and a summary of
@@ -15,29 +15,29 @@ import time
 from pathlib import Path
 from typing import Any
 
-from ops.bench.harness import ROOT, WORKDIR, machine, stop_on_signals
-from ops.bench.report import RESULT_PREFIX, table
-from ops.bench.summary import headline
+from bench.harness import ROOT, WORKDIR, machine, stop_on_signals
+from bench.report import RESULT_PREFIX, table
+from bench.summary import headline
 
 # name, module, flags always, flags at full scale (profiling where it is part of the report)
 BENCHES: tuple[tuple[str, str, tuple[str, ...], tuple[str, ...]], ...] = (
-    ("memory", "ops.bench.memory", (), ()),
-    ("guard", "ops.bench.guard", (), ()),
-    ("overshoot", "ops.bench.overshoot", (), ()),
-    ("saturation", "ops.bench.saturation", (), ()),
-    ("overhead", "ops.bench.overhead", (), ("--profile",)),
+    ("memory", "bench.memory", (), ()),
+    ("guard", "bench.guard", (), ()),
+    ("overshoot", "bench.overshoot", (), ()),
+    ("saturation", "bench.saturation", (), ()),
+    ("overhead", "bench.overhead", (), ("--profile",)),
     # The same with a worker process per core, every leg alike: one process's Python runs
     # on one core at a time (the GIL), whatever the machine has.
-    ("overhead-per-core", "ops.bench.overhead", ("--workers", "cores"), ()),
-    ("scaling", "ops.bench.scaling", (), ()),
-    ("producer", "ops.bench.producer_rate", (), ("--profile",)),
-    ("hotpath", "ops.bench.hotpath", (), ()),
+    ("overhead-per-core", "bench.overhead", ("--workers", "cores"), ()),
+    ("scaling", "bench.scaling", (), ()),
+    ("producer", "bench.producer_rate", (), ("--profile",)),
+    ("hotpath", "bench.hotpath", (), ()),
 )
 BENCH_TIMEOUT_S = 3600
 
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m ops.bench", description=__doc__)
+    p = argparse.ArgumentParser(prog="python -m bench", description=__doc__)
     p.add_argument("--quick", action="store_true", help="short runs of every benchmark")
     p.add_argument("--only", default="", help="comma-separated: " +
                    ",".join(b[0] for b in BENCHES))

@@ -8,7 +8,7 @@ where one long response alone is 4% of the budget). Overshoot = tokens kept − 
 late = requests that reached the server after the close. Targets: drain ≤ 1% of budget,
 abort ≤ one response, exact 0.
 
-    python -m ops.bench.overshoot [--quick]
+    python -m bench.overshoot [--quick]
 """
 
 from __future__ import annotations
@@ -20,11 +20,7 @@ from typing import Any
 
 import sqlalchemy as sa
 
-from common.budget import Budget
-from common.ledger import Ledger
-from common.schema import prompt_inputs, results
-from common.store import Store
-from ops.bench.harness import (
+from bench.harness import (
     WORKDIR,
     Processes,
     bench_settings,
@@ -36,15 +32,19 @@ from ops.bench.harness import (
     start_worker,
     wait_until,
 )
-from ops.bench.report import Summary, emit, table
-from ops.bench.synth import enqueue, write_dataset
+from bench.report import Summary, emit, table
+from bench.synth import enqueue, write_dataset
+from common.budget import Budget
+from common.ledger import Ledger
+from common.schema import prompt_inputs, results
+from common.store import Store
 from sim.reqlog import input_sha1
 
 POLICIES = ("drain", "abort", "exact")
 
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m ops.bench.overshoot", description=__doc__)
+    p = argparse.ArgumentParser(prog="python -m bench.overshoot", description=__doc__)
     p.add_argument("--quick", action="store_true", help="one run, budgets of 400k")
     p.add_argument("--runs", type=int, help="default 3")
     p.add_argument("--budget", type=int, help="tokens per dataset (default 10,000,000)")

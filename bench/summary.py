@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from ops.bench.memory import LONG_DBS, long_key
+from bench.memory import LONG_DBS, long_key
 
 Row = tuple[str, str, str, str, str]
 

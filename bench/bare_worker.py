@@ -7,7 +7,7 @@ task posts the same ``/generate`` body the pipeline would (ids loaded at start f
 The call goes through ``requests``, one session per thread, as the pipeline's own
 ``SGLangClient`` makes it.
 
-    celery -A ops.bench.bare_worker worker --pool=threads -c 64 -Q datagen.q.B1,...
+    celery -A bench.bare_worker worker --pool=threads -c 64 -Q datagen.q.B1,...
 """
 
 from __future__ import annotations

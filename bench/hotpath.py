@@ -11,7 +11,7 @@ Single thread, sequential calls, same data, side by side:
     batched script call each (``admit_many``, ``charge_many``), per task;
   * a connection pool under 64 threads: SQLAlchemy's default for SQLite vs 64 slots.
 
-    python -m ops.bench.hotpath [--quick]
+    python -m bench.hotpath [--quick]
 """
 
 from __future__ import annotations
@@ -27,22 +27,22 @@ from typing import Any
 import requests
 import sqlalchemy as sa
 
+from bench.harness import Processes, bench_settings, fresh_db, fresh_redis, start_sim
+from bench.report import Summary, emit, table
+from bench.synth import enqueue, prompt_files
 from common.budget import Budget
 from common.db import pooled_engine
 from common.ledger import AdmitArgs, ChargeArgs, Ledger
 from common.rows import ResultRow
 from common.sglang_client import SGLangClient
 from common.store import Store
-from ops.bench.harness import Processes, bench_settings, fresh_db, fresh_redis, start_sim
-from ops.bench.report import Summary, emit, table
-from ops.bench.synth import enqueue, prompt_files
 
 # Items per group in the grouped cases: about what a worker's groups hold at full rate.
 GROUP = 8
 
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m ops.bench.hotpath", description=__doc__)
+    p = argparse.ArgumentParser(prog="python -m bench.hotpath", description=__doc__)
     p.add_argument("--quick", action="store_true", help="300 calls per case, 1 rep")
     p.add_argument("--calls", type=int, help="calls per case (default 1000)")
     p.add_argument("--reps", type=int, help="default 3")

@@ -16,12 +16,12 @@ from pathlib import Path
 
 from tokenizers import Tokenizer
 
+from bench.harness import WORKDIR
 from common.budget import Budget
 from common.celery_app import make_celery
 from common.ledger import Ledger
 from common.settings import Settings
 from common.store import Store
-from ops.bench.harness import WORKDIR
 from producer.enqueue import DatasetSummary, Enqueuer, Limits
 from producer.plan import DEFAULT_SAMPLING, plans_from_paths
 from producer.template import BUNDLED_TOKENIZER, ChatTemplater

@@ -18,7 +18,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ops.bench.harness import Processes
+from bench.harness import Processes
 
 _FRAME = re.compile(r"^(?P<func>.*) \((?P<file>[^()]*?)(?::\d+)?\)$")
 # Library buckets, matched against a frame's file path, most specific first.

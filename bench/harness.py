@@ -38,7 +38,7 @@ POSTGRES_URL = os.environ.get(
 # The same database as SQLAlchemy names it with the driver the project installs.
 POSTGRES_SA_URL = sqlalchemy_url(POSTGRES_URL)
 WORKDIR = Path(os.environ.get("DATAGEN_BENCH_DIR", "/tmp/datagen-bench"))
-ROOT = Path(__file__).resolve().parent.parent.parent
+ROOT = Path(__file__).resolve().parent.parent
 CLK_TCK = os.sysconf("SC_CLK_TCK")
 STOP_GRACE_S = 30.0
 
