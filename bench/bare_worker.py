@@ -20,7 +20,8 @@ from typing import Any
 import requests
 from celery import Task
 
-from common.celery_app import GENERATE_TASK, make_celery
+from common.celery_app import make_celery
+from common.messages import GENERATE_TASK
 from common.rids import new_rid
 from common.settings import Settings
 

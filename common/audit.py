@@ -9,7 +9,6 @@ this finds the difference.
 
 from __future__ import annotations
 
-import base64
 import json
 from collections.abc import Iterator
 from datetime import UTC, datetime, timedelta
@@ -19,23 +18,12 @@ import redis
 
 from common.keys import KOMBU_UNACKED, dataset_keys, dataset_of_queue
 from common.ledger import Ledger
+from common.messages import sample_of
 from common.publish import Publisher
 from common.reconcile import reconcile_dataset
 from common.store import Store
 
 _CHUNK = 5000
-
-
-def sample_of(payload: dict[str, Any]) -> tuple[str, str] | None:
-    """(dataset, sample_id) of one Celery task message, or None if it is not ours."""
-    try:
-        body = payload["body"]
-        if payload.get("properties", {}).get("body_encoding") == "base64":
-            body = base64.b64decode(body)
-        kwargs = json.loads(body)[1]
-        return str(kwargs["dataset"]), str(kwargs["sample_id"])
-    except (KeyError, IndexError, TypeError, ValueError):
-        return None
 
 
 def _queued(client: redis.Redis, lists: tuple[str, ...]) -> Iterator[Any]:

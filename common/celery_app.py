@@ -16,9 +16,6 @@ from celery import Celery
 from common.keys import KOMBU_UNACKED, KOMBU_UNACKED_INDEX
 from common.settings import Settings
 
-GENERATE_TASK = "datagen.generate"
-STAMP = "dataset"
-
 
 def broker_ssl(url: str) -> dict[str, Any] | None:
     """Celery's ``broker_use_ssl`` for ``url``: the server's certificate checked.

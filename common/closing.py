@@ -14,8 +14,8 @@ from datetime import UTC, datetime
 
 from celery import Celery
 
-from common.celery_app import STAMP
 from common.ledger import Ledger, LedgerState
+from common.messages import STAMP
 from common.sglang_client import SGLangClient
 from common.store import Store
 

@@ -20,9 +20,9 @@ from collections.abc import Sequence
 from celery import Celery
 from kombu.exceptions import BatchPublishError
 
-from common.celery_app import GENERATE_TASK, STAMP
 from common.errors import ServiceUnavailable
 from common.keys import queue_name
+from common.messages import send_generate
 
 # Messages per pipeline: one chunk of the producer, a few hundred kB of commands.
 BATCH_SIZE = 1000
@@ -51,11 +51,7 @@ class Publisher:
                 # to the channel for every message, a fifth of its cost.
                 producer.maybe_declare(self.app.amqp.queues[queue])
                 for sid in sample_ids:
-                    self.app.send_task(
-                        GENERATE_TASK, kwargs={"dataset": dataset, "sample_id": sid},
-                        queue=queue, producer=producer, declare=[], add_to_parent=False,
-                        ignore_result=True, stamped_headers=[STAMP], **{STAMP: stamp},
-                    )
+                    send_generate(self.app, producer, queue, dataset, sid, stamp)
         except BatchPublishError as exc:
             raise ServiceUnavailable(
                 f"Redis failed while publishing {dataset}'s messages ({exc.__cause__!r}); "

@@ -15,8 +15,8 @@ from pathlib import Path
 
 import sqlalchemy as sa
 
-from common.audit import sample_of
 from common.keys import dataset_keys
+from common.messages import sample_of
 from common.schema import prompts
 from tests.faultkit import ROOT, wait_for
 from tests.faultkit_checks import quiesce

@@ -15,11 +15,11 @@ import sqlalchemy as sa
 from celery import Celery
 from celery.contrib.testing.worker import start_worker
 
-from common.audit import sample_of
 from common.budget import Budget
 from common.celery_app import make_celery
 from common.keys import KOMBU_UNACKED, KOMBU_UNACKED_INDEX, WORKERS, dataset_keys, worker_tags
 from common.ledger import Ledger
+from common.messages import sample_of
 from common.replies import text, texts
 from common.schema import prompts, results
 from common.settings import Settings

@@ -16,10 +16,11 @@ import redis
 import sqlalchemy as sa
 from kombu import Connection, Exchange, Producer, Queue
 
-from common.celery_app import GENERATE_TASK, make_celery
+from common.celery_app import make_celery
 from common.errors import InputError
 from common.keys import dataset_keys, queue_name
 from common.ledger import Ledger
+from common.messages import GENERATE_TASK
 from common.names import validate_dataset_name
 from common.schema import prompt_inputs, results
 from common.settings import Settings

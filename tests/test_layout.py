@@ -23,7 +23,7 @@ def _tracked() -> list[Path]:
 
 def _layout_table() -> str:
     readme = (ROOT / "README.md").read_text(encoding="utf-8")
-    match = re.search(r"^### Layout\n(.*?)(?=^#)", readme, flags=re.S | re.M)
+    match = re.search(r"^### Layout\n(.*?)(?=^#|\Z)", readme, flags=re.S | re.M)
     assert match, "README.md has no '### Layout' section"
     return match.group(1)
 

@@ -12,12 +12,12 @@ import pytest
 import redis
 import sqlalchemy as sa
 
-from common.audit import sample_of
 from common.budget import Budget
 from common.celery_app import make_celery
 from common.errors import ServiceUnavailable
 from common.keys import dataset_keys
 from common.ledger import Ledger
+from common.messages import sample_of
 from common.publish import Publisher
 from common.rows import ResultRow
 from common.settings import Settings

@@ -14,10 +14,11 @@ from celery import Celery
 from celery.worker import state as worker_state
 from celery.worker.request import Request
 
-from common.audit import queued_in_redis, sample_of
-from common.celery_app import GENERATE_TASK, STAMP, make_celery
+from common.audit import queued_in_redis
+from common.celery_app import make_celery
 from common.errors import ServiceUnavailable
 from common.keys import queue_name
+from common.messages import GENERATE_TASK, STAMP, sample_of
 from common.publish import BATCH_SIZE, Publisher
 from tests.conftest import make_settings
 from workers.app import create_app

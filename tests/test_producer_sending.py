@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 import redis
 
-from common.audit import sample_of
 from common.celery_app import make_celery
 from common.keys import queue_name
+from common.messages import sample_of
 from producer.sending import Abandoned, Sender
 from tests.conftest import make_settings
 from tests.test_producer_publish import DATASET, STAMP_VALUE, _queue

@@ -10,9 +10,9 @@ import redis
 from celery import Celery, Task
 from celery.exceptions import Reject
 
-from common.celery_app import GENERATE_TASK
 from common.db import UNAVAILABLE
 from common.errors import PermanentError, ServerUnreachable, StoreMismatch, TransientError
+from common.messages import GENERATE_TASK
 from common.settings import Settings
 from workers.context import WorkerContext, get_context
 from workers.liveness import stop_this_worker

@@ -1,0 +1,42 @@
+"""The generate task's message: the one module that builds it and reads it.
+
+A message carries references, never prompts or token lists: the task's name, the
+kwargs ``{"dataset": ..., "sample_id": ...}``, and the dataset's stamp as a stamped
+header, which ``revoke_by_stamped_headers({STAMP: stamp})`` matches when the dataset
+closes. Celery encodes it (protocol 2, JSON); ``sample_of`` reads one back from what
+kombu's Redis transport stores in a queue or in its unacked hash.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+from typing import Any
+
+from celery import Celery
+from kombu import Producer
+
+GENERATE_TASK = "datagen.generate"
+STAMP = "dataset"
+
+
+def send_generate(app: Celery, producer: Producer, queue: str, dataset: str, sample_id: str,
+                  stamp: str) -> None:
+    """Send one sample's message on ``producer`` (declared by the caller: ``declare=[]``)."""
+    app.send_task(
+        GENERATE_TASK, kwargs={"dataset": dataset, "sample_id": sample_id},
+        queue=queue, producer=producer, declare=[], add_to_parent=False,
+        ignore_result=True, stamped_headers=[STAMP], **{STAMP: stamp},
+    )
+
+
+def sample_of(payload: dict[str, Any]) -> tuple[str, str] | None:
+    """(dataset, sample_id) of one stored task message, or None if it is not ours."""
+    try:
+        body = payload["body"]
+        if payload.get("properties", {}).get("body_encoding") == "base64":
+            body = base64.b64decode(body)
+        kwargs = json.loads(body)[1]
+        return str(kwargs["dataset"]), str(kwargs["sample_id"])
+    except (KeyError, IndexError, TypeError, ValueError):
+        return None
