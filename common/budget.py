@@ -7,7 +7,7 @@ only holds the terms and the arithmetic users see.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal, TypeVar
 
 from common.errors import ConfigError
 
@@ -16,6 +16,24 @@ Policy = Literal["drain", "abort", "exact"]
 BASES: tuple[Basis, ...] = ("output", "total")
 POLICIES: tuple[Policy, ...] = ("drain", "abort", "exact")
 DEFAULT_BUDGET_TOKENS = 10_000_000
+# Token counts, or SQL expressions of them: the same arithmetic serves both.
+Tokens = TypeVar("Tokens", int, Any)
+
+
+def counts_prompt(basis: str) -> bool:
+    """Whether a sample's prompt tokens count against the budget: only on "total"."""
+    return basis == "total"
+
+
+def cost_on(basis: str, prompt_tokens: Tokens, completion_tokens: Tokens) -> Tokens:
+    """A sample's cost on a budget basis: its completion, plus its prompt on "total".
+
+    The one definition of the basis: the store's SQL sums, status and plan use it, and the
+    ledger's CHARGE script (common/ledger_scripts.py) does the same sum in Lua, checked
+    against this by tests/test_ledger.py."""
+    if counts_prompt(basis):
+        return completion_tokens + prompt_tokens
+    return completion_tokens
 
 
 @dataclass(frozen=True)
@@ -43,8 +61,8 @@ class Budget:
         if self.policy not in POLICIES:
             raise ConfigError(f"unknown policy {self.policy!r}; use one of {', '.join(POLICIES)}")
 
-    def cost(self, prompt_tokens: int, completion_tokens: int) -> int:
-        return completion_tokens + (prompt_tokens if self.basis == "total" else 0)
+    def cost(self, prompt_tokens: Tokens, completion_tokens: Tokens) -> Tokens:
+        return cost_on(self.basis, prompt_tokens, completion_tokens)
 
     def overshoot(self, used_tokens: int) -> int:
         return max(0, used_tokens - self.tokens)

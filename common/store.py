@@ -77,9 +77,9 @@ def _dataset_row(r: sa.Row[Any]) -> DatasetRow:
 
 def _cost(budget: Budget) -> sa.ColumnElement[int]:
     """A result's tokens on the dataset's budget basis, as SQL."""
-    if budget.basis == "total":
-        return results.c.completion_tokens + results.c.prompt_tokens
-    return results.c.completion_tokens
+    cost: sa.ColumnElement[int] = budget.cost(results.c.prompt_tokens,
+                                              results.c.completion_tokens)
+    return cost
 
 
 def _columns(table: sa.Table, row_type: type[Any]) -> tuple[str, ...]:

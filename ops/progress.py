@@ -18,6 +18,7 @@ from typing import Any
 import sqlalchemy as sa
 from sqlalchemy.engine import Engine
 
+from common.budget import cost_on, counts_prompt
 from common.schema import prompts, results
 
 RATE_WINDOW_S = 60
@@ -36,7 +37,7 @@ class ResultSums:
 
     def cost(self, basis: str) -> int:
         """Tokens on a budget basis: "output" counts completions, "total" adds prompts."""
-        return self.completion_tokens + (self.prompt_tokens if basis == "total" else 0)
+        return cost_on(basis, self.prompt_tokens, self.completion_tokens)
 
     def mean(self, basis: str) -> float | None:
         return self.cost(basis) / self.samples if self.samples else None
@@ -63,7 +64,7 @@ def estimate_mean(
         source = "observed" if n >= MIN_OBSERVED else f"observed, n={n}"
         mean = Mean(Fraction(sums.cost(basis), n), Fraction(sums.completion_tokens, n), source)
     elif guess is not None:
-        fixed = prompt_mean if basis == "total" else Fraction(0)
+        fixed = prompt_mean if counts_prompt(basis) else Fraction(0)
         mean = Mean(Fraction(guess) + fixed, Fraction(guess), "--mean-tokens")
     else:
         return None

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import threading
 
+import pytest
 import redis
 
 from common import ledger_scripts as lua
-from common.budget import Budget, Policy
+from common.budget import BASES, Basis, Budget, Policy
 from common.keys import dataset_keys
 from common.ledger import Admission, AdmitArgs, Charge, ChargeArgs, ChargeResult, Ledger
 
@@ -25,6 +26,18 @@ def test_total_basis_counts_prompt_tokens(ledger: Ledger) -> None:
     ledger.configure("ds", Budget(1000, basis="total"))
     ledger.charge("ds", "s1", "r1", 30, 100)
     assert ledger.state("ds").used_tokens == 130
+
+
+@pytest.mark.parametrize("basis", BASES)
+def test_the_charge_script_costs_a_sample_as_the_budget_defines(
+    ledger: Ledger, redis_client: redis.Redis, basis: Basis) -> None:
+    # The basis is defined once, in common/budget.py; CHARGE repeats its sum in Lua.
+    budget = Budget(10_000, basis=basis)
+    ledger.configure("ds", budget)
+    for i, (prompt, completion) in enumerate([(30, 100), (0, 7), (512, 0), (1, 1)]):
+        ledger.charge("ds", f"s{i}", f"r{i}", prompt, completion)
+        charged = redis_client.hget(dataset_keys("ds").charged, f"s{i}")
+        assert int(charged) == budget.cost(prompt, completion)
 
 
 def test_crossing_closes_and_purges_every_priority_list(
