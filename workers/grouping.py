@@ -30,8 +30,7 @@ MAX_GROUP = 64
 # at a real server's pace (seconds a request) nobody waits. At full rate a commit on SQLite
 # is shorter than the gap between two results, so without a linger most groups would be
 # one row. 20 ms for both steps: at 10 ms tasks switched threads more and the rate fell,
-# 30 ms gained nothing (docs/PERFORMANCE_EXPERIMENTS.md, the second, fourth and eleventh
-# rounds).
+# 30 ms gained nothing.
 LINGER_S = 0.02
 
 
@@ -69,7 +68,7 @@ class GroupCall(Generic[T, R]):
     wake every waiting thread at each batch's end, most of them only to go back to sleep:
     in a worker of 64 threads, a thread hand-off and a turn at the GIL each.) Each served
     caller holds one of the worker's slots until it returns, so they are woken together,
-    not one after another (docs/PERFORMANCE_EXPERIMENTS.md, "Eleventh round").
+    not one after another.
     """
 
     def __init__(self, batch: Callable[[list[T]], Outcomes[R]], max_group: int,
