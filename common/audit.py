@@ -18,9 +18,10 @@ import redis
 
 from common.keys import KOMBU_UNACKED, dataset_keys, dataset_of_queue
 from common.ledger import Ledger
-from common.messages import sample_of
+from common.messages import sample_of, unacked_entry
 from common.publish import Publisher
 from common.reconcile import reconcile_dataset
+from common.settings import Settings
 from common.store import Store
 
 _CHUNK = 5000
@@ -40,16 +41,17 @@ def queued_in_redis(client: redis.Redis, dataset: str) -> set[str]:
         if sample is not None and sample[0] == dataset:
             found.add(sample[1])
     for _tag, raw in client.hscan_iter(KOMBU_UNACKED, count=_CHUNK):
-        payload, _exchange, routing_key = json.loads(raw)
-        if dataset_of_queue(str(routing_key)) == dataset:
-            sample = sample_of(payload)
+        entry = unacked_entry(raw)
+        if entry is not None and dataset_of_queue(entry[1]) == dataset:
+            sample = sample_of(entry[0])
             if sample is not None:
                 found.add(sample[1])
     return found
 
 
 def requeue_lost(
-    store: Store, client: redis.Redis, publisher: Publisher, quiet_for_s: float = 300.0
+    store: Store, client: redis.Redis, publisher: Publisher,
+    quiet_for_s: float = Settings.sweep_quiet_s,
 ) -> dict[str, int]:
     """Rebuild every ledger from SQL, then publish again every open dataset's prompts that
     SQL holds as queued and Redis lost.

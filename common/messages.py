@@ -30,6 +30,18 @@ def send_generate(app: Celery, producer: Producer, queue: str, dataset: str, sam
     )
 
 
+def unacked_entry(raw: bytes | str | None) -> tuple[dict[str, Any], str] | None:
+    """(message, queue) of one record of kombu's unacked hash, which it stores as
+    ``[message, exchange, routing key]``; None for a missing or unreadable record."""
+    if raw is None:
+        return None
+    try:
+        payload, _exchange, routing_key = json.loads(raw)
+    except (ValueError, TypeError):
+        return None
+    return payload, str(routing_key)
+
+
 def sample_of(payload: dict[str, Any]) -> tuple[str, str] | None:
     """(dataset, sample_id) of one stored task message, or None if it is not ours."""
     try:

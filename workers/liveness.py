@@ -16,7 +16,6 @@ every ``sweep_s``, publishes such a prompt again (``common.audit.requeue_lost``)
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import signal
@@ -40,9 +39,11 @@ from common.keys import (
     worker_tags,
 )
 from common.ledger import Ledger
+from common.messages import unacked_entry
 from common.pairing import pair
 from common.publish import Publisher
 from common.replies import texts
+from common.settings import Settings
 from workers.context import get_context
 
 log = logging.getLogger(__name__)
@@ -167,13 +168,8 @@ def _restore_orphans(channel: Any, client: redis.Redis, delivered_before: float)
 
 def _ours(entry: Any) -> bool:
     """Only datagen's own queues: other apps may share the Redis database."""
-    if entry is None:
-        return False
-    try:
-        _payload, _exchange, routing_key = json.loads(entry)
-    except (ValueError, TypeError):
-        return False
-    return dataset_of_queue(str(routing_key)) is not None
+    record = unacked_entry(entry)
+    return record is not None and dataset_of_queue(record[1]) is not None
 
 
 def _exists(client: redis.Redis, key: str, fields: list[str]) -> list[bool]:
@@ -194,8 +190,8 @@ class Heartbeat:
         received: Received,
         interval_s: float,
         dead_after_s: float,
-        sweep_s: float = 300.0,
-        sweep_quiet_s: float = 300.0,
+        sweep_s: float = Settings.sweep_s,
+        sweep_quiet_s: float = Settings.sweep_quiet_s,
     ) -> None:
         if interval_s * 2 >= dead_after_s:
             raise ConfigError(
