@@ -29,8 +29,8 @@ def cost_on(basis: str, prompt_tokens: Tokens, completion_tokens: Tokens) -> Tok
     """A sample's cost on a budget basis: its completion, plus its prompt on "total".
 
     The one definition of the basis: the store's SQL sums, status and plan use it, and the
-    ledger's CHARGE script (common/ledger_scripts.py) does the same sum in Lua, checked
-    against this by tests/test_ledger.py."""
+    ledger's scripts get it as ``Budget.prompt_weight`` (checked against this by
+    tests/test_ledger.py)."""
     if counts_prompt(basis):
         return completion_tokens + prompt_tokens
     return completion_tokens
@@ -60,6 +60,12 @@ class Budget:
             raise ConfigError(f"unknown budget basis {self.basis!r}; use one of {', '.join(BASES)}")
         if self.policy not in POLICIES:
             raise ConfigError(f"unknown policy {self.policy!r}; use one of {', '.join(POLICIES)}")
+
+    @property
+    def prompt_weight(self) -> int:
+        """1 when prompt tokens count, else 0: the ledger's Lua charges
+        ``prompt_weight * prompt + completion``, so it needs no notion of a basis."""
+        return int(counts_prompt(self.basis))
 
     def cost(self, prompt_tokens: Tokens, completion_tokens: Tokens) -> Tokens:
         return cost_on(self.basis, prompt_tokens, completion_tokens)

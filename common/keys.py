@@ -13,7 +13,8 @@ No other module spells a key string; tests import these functions too.
         samples        samples charged so far
         sumsq          sum of squared sample costs (admission's spread estimate)
         budget         budget in tokens
-        basis          "output" | "total"
+        basis          "output" | "total" (for people; the scripts read prompt_weight)
+        prompt_weight  1 if prompt tokens count, else 0 (Budget.prompt_weight)
         policy         "drain" | "abort" | "exact"
         state          "open" | "closed"
         reserved       expected tokens of requests in flight (admission)

@@ -101,7 +101,8 @@ class Ledger:
 
     def configure(self, name: str, budget: Budget) -> CloseResult:
         self.redis.sadd(DATASETS, name)
-        args: list[str | int | float] = [budget.tokens, budget.basis, budget.policy, time.time()]
+        args: list[str | int | float] = [budget.tokens, budget.basis, budget.policy,
+                                         budget.prompt_weight, time.time()]
         closed_now, purged, _used = self._configure(keys=dataset_keys(name).script_keys, args=args)
         return CloseResult(bool(closed_now), int(purged))
 

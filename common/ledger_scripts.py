@@ -55,8 +55,7 @@ local closed = redis.call('HGET', KEYS[1], 'state') == 'closed'
 if closed and policy ~= 'drain' then
   return {0, 0, used, 0, 0}
 end
-local fixed = 0
-if redis.call('HGET', KEYS[1], 'basis') == 'total' then fixed = prompt end
+local fixed = prompt * num('prompt_weight')
 local budget = num('budget')
 if policy == 'exact' and budget > 0 then
   local room = budget - used - fixed
@@ -92,7 +91,8 @@ return redis.call('HINCRBY', KEYS[1], 'used', cost - prev)
 # -- ARGV: rid, max_new_tokens, default_expected_tokens
 # Returns {status, expected}: 1 = admitted (rid now in flight), 0 = closed,
 #   2 = wait: used + the expected output of requests in flight already reach the budget,
-#   3 = unknown: the ledger has no terms (Redis lost them): reconcile from SQL first.
+#   3 = unknown: the ledger has no terms (Redis lost them, or a ledger written before
+#   prompt_weight was a term): reconcile from SQL first, which writes them.
 # A request in flight is expected to cost the mean plus one standard deviation of the
 # samples charged so far: outputs are long-tailed, and the requests still running when a
 # budget is crossed are the long ones, so reserving only the mean lets drain overshoot.
@@ -102,7 +102,7 @@ ADMIT = (
     _CLOSE_FN
     + """
 if redis.call('HGET', KEYS[1], 'state') == 'closed' then return {0, 0} end
-if not redis.call('HGET', KEYS[1], 'budget') then return {3, 0} end
+if not redis.call('HGET', KEYS[1], 'prompt_weight') then return {3, 0} end
 local used, budget, samples = num('used'), num('budget'), num('samples')
 local expected = tonumber(ARGV[3])
 if samples > 0 then
@@ -111,7 +111,7 @@ if samples > 0 then
   if var < 0 then var = 0 end
   expected = math.floor(mean + math.sqrt(var))
 end
-if redis.call('HGET', KEYS[1], 'basis') ~= 'total' then
+if num('prompt_weight') == 0 then
   expected = math.min(expected, tonumber(ARGV[2]))
 end
 if budget > 0 and redis.call('HLEN', KEYS[3]) > 0
@@ -136,18 +136,22 @@ return expected
 """
 
 # -- KEYS: ledger, charged, inflight, q0, q3, q6, q9
-# -- ARGV: budget, basis, policy, now
+# -- ARGV: budget, basis, policy, prompt_weight, now
 # Sets the dataset's terms; a dataset already at or over its new budget closes at once.
+# prompt_weight (1 or 0: whether prompt tokens count) comes from common.budget, so the
+# scripts do the budget's arithmetic without knowing what a basis means; 'basis' is kept
+# for people reading the hash.
 # Returns {closed_now, purged, used}.
 CONFIGURE = (
     _CLOSE_FN
     + """
-redis.call('HSET', KEYS[1], 'budget', ARGV[1], 'basis', ARGV[2], 'policy', ARGV[3])
+redis.call('HSET', KEYS[1], 'budget', ARGV[1], 'basis', ARGV[2], 'policy', ARGV[3],
+           'prompt_weight', ARGV[4])
 redis.call('HSETNX', KEYS[1], 'state', 'open')
 redis.call('HSETNX', KEYS[1], 'used', 0)
 local used, budget = num('used'), num('budget')
 if redis.call('HGET', KEYS[1], 'state') ~= 'closed' and budget > 0 and used >= budget then
-  return {1, close(ARGV[4], 'budget'), used}
+  return {1, close(ARGV[5], 'budget'), used}
 end
 return {0, 0, used}
 """

@@ -31,7 +31,7 @@ def test_total_basis_counts_prompt_tokens(ledger: Ledger) -> None:
 @pytest.mark.parametrize("basis", BASES)
 def test_the_charge_script_costs_a_sample_as_the_budget_defines(
     ledger: Ledger, redis_client: redis.Redis, basis: Basis) -> None:
-    # The basis is defined once, in common/budget.py; CHARGE repeats its sum in Lua.
+    # The basis is defined once, in common/budget.py; CHARGE gets it as prompt_weight.
     budget = Budget(10_000, basis=basis)
     ledger.configure("ds", budget)
     for i, (prompt, completion) in enumerate([(30, 100), (0, 7), (512, 0), (1, 1)]):
@@ -108,6 +108,19 @@ def test_admission_is_refused_once_closed_and_unknown_without_terms(ledger: Ledg
     ledger.configure("ds", Budget(1000))
     ledger.close("ds", "manual")
     assert ledger.admit("ds", "r1", 10, 10) is Admission.CLOSED
+
+
+def test_a_ledger_without_the_prompt_weight_term_is_unknown_until_configured(
+    ledger: Ledger, redis_client: redis.Redis) -> None:
+    # A ledger hash written before prompt_weight was one of its terms cannot be charged
+    # right on a "total" basis: admission sends the worker to rebuild the terms from SQL.
+    ledger.configure("ds", Budget(1000, basis="total"))
+    redis_client.hdel(dataset_keys("ds").ledger, "prompt_weight")
+    assert ledger.admit("ds", "r1", 10, 10) is Admission.UNKNOWN
+    ledger.configure("ds", Budget(1000, basis="total"))
+    assert ledger.admit("ds", "r1", 10, 10) is Admission.ADMITTED
+    ledger.charge("ds", "s1", "r1", 30, 100)
+    assert ledger.state("ds").used_tokens == 130
 
 
 def test_configure_below_used_closes_at_once(ledger: Ledger) -> None:
