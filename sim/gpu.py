@@ -183,7 +183,8 @@ class GpuEngine:
             num_running_reqs=len(sched.running),
             num_waiting_reqs=len(sched.waiting),
             num_waiting_uncached_tokens=sum(
-                len(j.fill_ids()) - sched.cache.peek_prefix(j.fill_ids()) for j in sched.waiting
+                len(j.fill_ids()) - sched.cache.peek_prefix(j.fill_ids()[:-1])
+                for j in sched.waiting
             ),
             num_used_tokens=sched.used_tokens,
             max_total_num_tokens=sched.kv_tokens,

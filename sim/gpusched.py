@@ -174,7 +174,7 @@ class GpuScheduler:
             if len(self.running) + len(admitted) >= self.max_running_requests:
                 break
             ids = job.fill_ids()
-            matched, node = self.cache.match_prefix(ids)
+            matched, node = self.cache.match_prefix(ids[:-1])  # at least one token to compute
             protected = self.cache.protected_tokens
             self.cache.inc_lock(node)
             rem_total -= self.cache.protected_tokens - protected

@@ -5,8 +5,9 @@ Shapes from SGLang (repo sgl-project/sglang, python/sglang/srt/): `entrypoints/v
 `sglang_<key>{dp_rank="0"}` gauges) and `metrics/collector.py` (metric names, help texts,
 types). Scheduler metrics carry the labels SGLang's scheduler gives them (model_name,
 engine_type, tp_rank, pp_rank, moe_ep_rank), request counters the tokenizer manager's
-(model_name, engine_type). Counters are exposed as `<name>_total` under `# TYPE <name>
-counter`, as prometheus_client does. Rates are per simulated second.
+(model_name, engine_type). Counters are exposed as `<name>_total` under `# TYPE
+<name>_total counter`, as prometheus_client's text exposition does (parsers then name the family
+`<name>`). Rates are per simulated second.
 """
 
 from __future__ import annotations
@@ -73,7 +74,7 @@ def _labels(pairs: dict[str, str]) -> str:
 
 def _family(name: str, kind: str, doc: str, labels: str, value: float) -> list[str]:
     sample = f"{name}_total" if kind == "counter" else name
-    return [f"# HELP {name} {doc}", f"# TYPE {name} {kind}", f"{sample}{labels} {float(value)}"]
+    return [f"# HELP {sample} {doc}", f"# TYPE {sample} {kind}", f"{sample}{labels} {float(value)}"]
 
 
 def metrics_text(sim: SimState) -> str:
