@@ -13,7 +13,9 @@ What is modelled, and from which SGLang file (repo sgl-project/sglang, python/sg
   min(max_new_tokens - generated, 4096) * new_token_ratio - what this batch already took.
   Admission stops at the first request that does not fit (no skipping), at
   max_running_requests, or when the batch already computes 16384 prompt tokens
-  (max_prefill_tokens). The matched prefix is locked before the check.
+  (max_prefill_tokens). The matched prefix is locked before the check. On an idle server
+  the head is admitted whenever its prefill fits, so it cannot wait forever (SGLang
+  clamps max_new_tokens to the pool for the same reason).
 * new_token_ratio (`scheduler.py` init_schedule_policy / update_running_batch, `environ.py`):
   starts at 0.7, falls by (0.7 - 0.7 * 0.14) / 600 per decode step to 0.098, and is reset by
   a retraction to min(1, (decoded + 20 * n) / sum(max_new_tokens)) over the n survivors.
@@ -120,6 +122,7 @@ class GpuScheduler:
         for job in ended:
             self._release(job)
         self.running = [j for j in self.running if not j.done]
+        before = list(self.running)
         step = self._prefill() or self._decode()
         if step is None:
             self.new_token_ratio = INIT_NEW_TOKEN_RATIO
@@ -129,6 +132,7 @@ class GpuScheduler:
             if job.generated >= job.target and not job.done:
                 self._release(job)
                 step.ended.append(job)
+        step.ended.extend(j for j in before if j.done and j not in step.ended)  # lone OOM
         self.running = [j for j in self.running if not j.done]
         self.stats.record(step)
         return step
@@ -180,7 +184,8 @@ class GpuScheduler:
             rem_total -= self.cache.protected_tokens - protected
             extend = len(ids) - matched
             total = extend + _reserve(job)
-            if total >= rem_total or (admitted and extend >= rem_input):
+            alone = not self.running and not admitted and extend < self.available_tokens()
+            if (total >= rem_total and not alone) or (admitted and extend >= rem_input):
                 self.cache.dec_lock(node)
                 break
             job.node = node  # held until the prefill replaces it with the full sequence

@@ -9,6 +9,7 @@ never on how long it took.
 from __future__ import annotations
 
 import itertools
+import json
 from collections.abc import Callable, Iterator
 
 import pytest
@@ -17,7 +18,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from sim import SimConfig, SimServer
 from sim.gpujob import DECODE, PREFILL, Job, Step
-from sim.gpusched import INIT_NEW_TOKEN_RATIO, GpuScheduler
+from sim.gpusched import INIT_NEW_TOKEN_RATIO, LONE_OOM_MESSAGE, GpuScheduler
 from sim.server import config_from_args
 from sim.steplaw import PROFILES, StepLaw, steady_state_tok_per_s
 
@@ -143,6 +144,19 @@ def test_decode_outgrowing_the_pool_retracts_and_recomputes() -> None:
     assert sched.used_tokens == 0
 
 
+def test_lone_request_runs_until_the_pool_is_full_then_aborts() -> None:
+    """Pool 30, prompt 10 + max_new 30: over the estimate, admitted because the server is
+    idle; 11 held after prefill, 19 decode steps fill the pool, the 20th aborts it."""
+    sched = GpuScheduler(LAW, kv_tokens=30, max_running_requests=8)
+    a = job("a", fresh(10), 30)
+    sched.submit(a)
+    assert step(sched).jobs == [a]
+    last = run_until(sched, lambda s: bool(s.ended))
+    assert last.ended == [a] and a.abort_message == LONE_OOM_MESSAGE
+    assert (a.generated, sched.used_tokens, sched.running) == (20, 0, [])
+    assert sched.step() is None
+
+
 # ---- prefix cache ----------------------------------------------------------------------------
 
 
@@ -219,6 +233,25 @@ def test_gpu_mode_streams(gpu: str) -> None:
     body = {"input_ids": fresh(8), "stream": True, "sampling_params": {"max_new_tokens": 30}}
     resp = requests.post(gpu + "/generate", json=body, timeout=30)
     assert resp.status_code == 200 and resp.text.endswith("data: [DONE]\n\n")
+
+
+def test_gpu_mode_abort_ends_a_running_stream() -> None:
+    """Real time: 2000 tokens would take ~40 s, so the abort lands mid-decode."""
+    with SimServer(SimConfig(port=0, physics="gpu", mean_output_tokens=5000)) as srv:
+        body = {
+            "input_ids": fresh(8),
+            "rid": "gpu-abort-1",
+            "stream": True,
+            "sampling_params": {"max_new_tokens": 2000, "ignore_eos": True},
+        }
+        with requests.post(f"{srv.url}/generate", json=body, stream=True, timeout=30) as resp:
+            lines = (line for line in resp.iter_lines() if line)
+            assert next(lines).startswith(b"data: {")
+            requests.post(f"{srv.url}/abort_request", json={"rid": "gpu-abort-1"}, timeout=5)
+            events = [line for line in lines if line != b"data: [DONE]"]
+        final = json.loads(events[-1][len(b"data: ") :])
+        assert final["meta_info"]["finish_reason"]["type"] == "abort"
+        assert 0 < final["meta_info"]["completion_tokens"] < 2000
 
 
 @pytest.mark.parametrize("mode", ["gpu", "fast"])
