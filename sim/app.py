@@ -2,8 +2,8 @@
 
 Routes (SGLang's wire format, see shared/SGLANG_API.md):
   POST|PUT /generate, POST /abort_request, GET /health /health_generate /ready,
-  GET /model_info /get_model_info /server_info /get_server_info /v1/models /metrics,
-  GET|POST /flush_cache.
+  GET /model_info /get_model_info /server_info /get_server_info /v1/models /metrics
+  /v1/loads, GET|POST /flush_cache.
 Simulator-only control routes (not SGLang):
   GET  /sim/requests   request log (?limit=N, ?rid_prefix=P)
   GET  /sim/stats      counters: requests, running, waiting, completed, aborted, ...
@@ -20,7 +20,7 @@ from collections.abc import Awaitable, Callable
 
 from aiohttp import web
 
-from sim import control, info
+from sim import control, info, metrics
 from sim.config import SimConfig
 from sim.generate import handle_generate
 from sim.responses import drop_connection
@@ -59,7 +59,8 @@ def build_app(cfg: SimConfig) -> web.Application:
     for path in ("/server_info", "/get_server_info"):
         r.add_get(path, info.handle_server_info)
     r.add_get("/v1/models", info.handle_models)
-    r.add_get("/metrics", info.handle_metrics)
+    r.add_get("/metrics", metrics.handle_metrics)
+    r.add_get("/v1/loads", metrics.handle_loads)
     r.add_route("*", "/flush_cache", info.handle_flush_cache)
     r.add_get("/sim/requests", control.handle_requests)
     r.add_get("/sim/stats", control.handle_stats)
@@ -67,10 +68,11 @@ def build_app(cfg: SimConfig) -> web.Application:
     r.add_post("/sim/faults", control.handle_faults_post)
     r.add_post("/sim/reset", control.handle_reset)
 
-    async def _close_log(app: web.Application) -> None:
+    async def _close(app: web.Application) -> None:
+        await app[SIM_KEY].engine.close()
         app[SIM_KEY].log.close()
 
-    app.on_cleanup.append(_close_log)
+    app.on_cleanup.append(_close)
     return app
 
 

@@ -1,12 +1,15 @@
 """Configuration of the simulated SGLang server.
 
 One flat dataclass, because every field is also a CLI flag of `datagen sim` (same name with
-dashes) and tests build it directly: `SimConfig(port=0, decode_tok_per_s=0)`.
+dashes) and tests build it directly: `SimConfig(port=0, decode_tok_per_s=0)`. `physics`
+picks the engine: "fast" (sim.engine, the default) or "gpu" (sim.gpu).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+from sim.steplaw import PROFILES
 
 #: Version string reported by /server_info: the SGLang release whose wire format we copy.
 SIM_VERSION = "0.5.23-sim"
@@ -48,8 +51,30 @@ class SimConfig:
     access_log: bool = False
     #: In-memory request-log bound (oldest entries dropped first).
     log_capacity: int = 1_000_000
+    #: "fast": N slots at decode_tok_per_s each; "gpu": a GPU server's physics (sim.gpu).
+    physics: str = "fast"
+    #: GPU mode: the server whose step law and KV pool to take (sim.steplaw.PROFILES).
+    profile: str = "reference"
+    #: GPU mode: KV pool size in tokens; None = the profile's.
+    kv_tokens: int | None = None
+    #: GPU mode: simulated seconds per real second (10 = ten times faster than real time).
+    time_scale: float = 1.0
+
+    @property
+    def kv_pool_tokens(self) -> int:
+        """GPU mode's KV pool: --kv-tokens, else the profile's."""
+        return self.kv_tokens if self.kv_tokens is not None else PROFILES[self.profile].kv_tokens
+
+    @property
+    def max_total_num_tokens(self) -> int:
+        """KV pool size /server_info and /v1/loads report."""
+        if self.physics == "gpu":
+            return self.kv_pool_tokens
+        return self.context_length * self.max_running_requests  # every slot fits a context
 
     @property
     def max_req_input_len(self) -> int:
         """Longest prompt the scheduler admits: SGLang's min(ctx - 1, kv - 1) - 5."""
+        if self.physics == "gpu":
+            return min(self.context_length, self.kv_pool_tokens) - 1 - 5
         return self.context_length - 1 - 5

@@ -20,6 +20,7 @@ from typing import Any
 from sim.config import SimConfig
 from sim.errors import QUEUE_FULL_MESSAGE, SimHttpError, queue_full_body
 from sim.faults import FaultInjector
+from sim.load import Load
 from sim.outputs import Completion
 
 WAITING, RUNNING, DONE = "waiting", "running", "done"
@@ -53,6 +54,9 @@ class Sequence:
     abort_message: str | None = None
     admitted: asyncio.Future[bool] | None = None
     waker: asyncio.Future[None] | None = None
+    #: meta_info fields the GPU mode fills in (prefix-cache hit, times retracted).
+    cached_tokens: int = 0
+    num_retractions: int = 0
 
     @property
     def target(self) -> int:
@@ -79,6 +83,46 @@ def _wake(fut: asyncio.Future[None]) -> None:
         fut.set_result(None)
 
 
+def wake(seq: Sequence) -> None:
+    """Cut seq's current sleep short (it ended or was aborted)."""
+    if seq.waker is not None:
+        _wake(seq.waker)
+
+
+async def sleep_unless_woken(seq: Sequence, delay: float) -> None:
+    """Sleep that wake(seq) can cut short, so no per-token timers are needed."""
+    loop = asyncio.get_running_loop()
+    fut: asyncio.Future[None] = loop.create_future()
+    handle = loop.call_later(max(0.0, delay), _wake, fut)
+    seq.waker = fut
+    try:
+        await fut
+    finally:
+        handle.cancel()
+        seq.waker = None
+
+
+def check_admissible(cfg: SimConfig, prompt_tokens: int, queue_full: bool) -> None:
+    """Scheduler checks: input-length limit, then the waiting-queue bound."""
+    limit = cfg.max_req_input_len
+    if prompt_tokens >= limit:
+        message = (
+            f"Input length ({prompt_tokens} tokens) exceeds the maximum allowed length "
+            f"({limit} tokens). Use a shorter input or enable --allow-auto-truncate."
+        )
+        reason = {
+            "type": "abort",
+            "message": message,
+            "status_code": 400,
+            "err_type": "BadRequestError",
+        }
+        raise SchedulerReject(SimHttpError.request(message), reason)
+    if queue_full:
+        error = SimHttpError(503, queue_full_body(), QUEUE_FULL_MESSAGE, sse=False)
+        reason = {"type": "abort", "status_code": 503, "message": QUEUE_FULL_MESSAGE}
+        raise SchedulerReject(error, reason)
+
+
 class Engine:
     """Slots, waiting queue, decode timing and aborts."""
 
@@ -91,12 +135,16 @@ class Engine:
 
     # ---- admission -------------------------------------------------------------------
 
-    def submit(self, rid: str, completion: Completion, prompt_tokens: int) -> Sequence:
+    def submit(self, rid: str, completion: Completion, input_ids: list[int]) -> Sequence:
         """Register a request (duplicate rid → 400) and start it or queue it."""
         if rid in self.inflight:
             raise SimHttpError.request(f"Duplicate request ID detected: {rid}")
-        self._check_admissible(prompt_tokens)
-        seq = Sequence(rid, completion, prompt_tokens)
+        bound = self.cfg.max_queued_requests
+        full = len(self.running) >= self.cfg.max_running_requests
+        check_admissible(
+            self.cfg, len(input_ids), bound is not None and full and len(self.waiting) >= bound
+        )
+        seq = Sequence(rid, completion, len(input_ids))
         if self.injector.take_abort():
             seq.abort_after = len(completion.ids) // 2
         self.inflight[rid] = seq
@@ -106,28 +154,6 @@ class Engine:
             seq.admitted = asyncio.get_running_loop().create_future()
             self.waiting.append(seq)
         return seq
-
-    def _check_admissible(self, prompt_tokens: int) -> None:
-        """Scheduler checks: input-length limit, then the waiting-queue bound."""
-        limit = self.cfg.max_req_input_len
-        if prompt_tokens >= limit:
-            message = (
-                f"Input length ({prompt_tokens} tokens) exceeds the maximum allowed length "
-                f"({limit} tokens). Use a shorter input or enable --allow-auto-truncate."
-            )
-            reason = {
-                "type": "abort",
-                "message": message,
-                "status_code": 400,
-                "err_type": "BadRequestError",
-            }
-            raise SchedulerReject(SimHttpError.request(message), reason)
-        bound = self.cfg.max_queued_requests
-        full = len(self.running) >= self.cfg.max_running_requests
-        if bound is not None and full and len(self.waiting) >= bound:
-            error = SimHttpError(503, queue_full_body(), QUEUE_FULL_MESSAGE, sse=False)
-            reason = {"type": "abort", "status_code": 503, "message": QUEUE_FULL_MESSAGE}
-            raise SchedulerReject(error, reason)
 
     def _start(self, seq: Sequence) -> None:
         seq.state = RUNNING
@@ -156,7 +182,7 @@ class Engine:
         while seq.count < seq.target and seq.abort_message is None:
             speed = self.injector.faults.decode_tok_per_s
             if speed > 0:
-                await self._sleep(seq, min(step_s, (seq.target - seq.progress) / speed))
+                await sleep_unless_woken(seq, min(step_s, (seq.target - seq.progress) / speed))
             self._advance(seq)
             yield seq.count
 
@@ -172,17 +198,6 @@ class Engine:
             seq.progress += (now - seq.last_tick) * speed
         seq.last_tick = now
         seq.count = min(seq.target, int(seq.progress + 1e-6))
-
-    async def _sleep(self, seq: Sequence, delay: float) -> None:
-        """Sleep that an abort can cut short (resolves seq.waker early)."""
-        fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        handle = asyncio.get_running_loop().call_later(max(0.0, delay), _wake, fut)
-        seq.waker = fut
-        try:
-            await fut
-        finally:
-            handle.cancel()
-            seq.waker = None
 
     # ---- ending ----------------------------------------------------------------------
 
@@ -207,8 +222,7 @@ class Engine:
                 seq.admitted.set_result(False)
             return
         seq.abort_message = ABORT_RUNNING
-        if seq.waker is not None:
-            _wake(seq.waker)
+        wake(seq)
 
     def _leave(self, seq: Sequence) -> None:
         """Drop seq from every structure and hand its slot to the next waiter."""
@@ -231,3 +245,25 @@ class Engine:
     def gen_throughput(self) -> float:
         """Current decode throughput (tokens/s) of the whole server."""
         return len(self.running) * self.injector.faults.decode_tok_per_s
+
+    def load(self) -> Load:
+        """Slots as the running batch, each holding its prompt and output so far."""
+        for seq in self.running.values():
+            if seq.count < seq.target:
+                self._advance(seq)
+        return Load(
+            num_running_reqs=len(self.running),
+            num_waiting_reqs=len(self.waiting),
+            num_waiting_uncached_tokens=sum(s.prompt_tokens for s in self.waiting),
+            num_used_tokens=sum(s.prompt_tokens + s.count for s in self.running.values()),
+            max_total_num_tokens=self.cfg.max_total_num_tokens,
+            max_running_requests=self.cfg.max_running_requests,
+            gen_throughput=self.gen_throughput(),
+            cache_hit_rate=0.0,
+        )
+
+    def flush_cache(self) -> None:
+        """There is no prefix cache in this mode."""
+
+    async def close(self) -> None:
+        """Nothing runs in the background in this mode."""

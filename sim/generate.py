@@ -96,7 +96,7 @@ async def _run(
     """Submit to the engine and answer; the slot is released whatever happens."""
     completion = sim.outputs.complete(req.input_ids, req.max_new_tokens, req.ignore_eos)
     try:
-        seq = sim.engine.submit(req.rid, completion, len(req.input_ids))
+        seq = sim.engine.submit(req.rid, completion, req.input_ids)
     except SchedulerReject as rej:
         if not req.stream:
             raise rej.error from None

@@ -1,4 +1,4 @@
-"""SGLang's non-generation endpoints (spec §4 and §6): health, info, abort, metrics.
+"""SGLang's non-generation endpoints (spec §4 and §6): health, info, abort, flush_cache.
 
 Clients read /server_info to learn how streaming behaves and how big prompts may be, so
 the keys they need carry the simulator's real settings; the rest mirrors 0.5.23's names.
@@ -51,7 +51,7 @@ async def handle_model_info(request: web.Request) -> web.Response:
 def server_info(sim: SimState) -> dict[str, Any]:
     """Resolved server args + scheduler info + internal_states, as /server_info has them."""
     cfg = sim.cfg
-    max_total = cfg.context_length * cfg.max_running_requests  # every slot fits a context
+    max_total = cfg.max_total_num_tokens
     return {
         "model_path": cfg.model_name,
         "tokenizer_path": cfg.tokenizer or cfg.model_name,
@@ -85,7 +85,11 @@ def _internal_state(sim: SimState) -> dict[str, Any]:
         "last_gen_throughput": engine.gen_throughput(),
         "num_running_reqs": len(engine.running),
         "num_queue_reqs": len(engine.waiting),
-        "memory_usage": {"weight": 0.0, "kvcache": 0.0, "token_capacity": 0},
+        "memory_usage": {
+            "weight": 0.0,
+            "kvcache": 0.0,
+            "token_capacity": sim.cfg.max_total_num_tokens,
+        },
     }
 
 
@@ -123,30 +127,10 @@ async def handle_abort(request: web.Request) -> web.Response:
 
 
 async def handle_flush_cache(request: web.Request) -> web.Response:
-    """/flush_cache: there is no cache, so it always succeeds."""
-    del request
+    """/flush_cache: empties the prefix cache (GPU mode) unless requests are in flight."""
+    request.app[SIM_KEY].engine.flush_cache()
     return web.Response(
         text="Cache flushed.\nPlease check backend logs for more details. "
         "(When there are running or waiting requests, the operation will not "
         "be performed.)\n"
     )
-
-
-async def handle_metrics(request: web.Request) -> web.Response:
-    """GET /metrics: the core SGLang gauges and counters in Prometheus text format."""
-    sim = request.app[SIM_KEY]
-    label = f'{{model_name="{sim.cfg.model_name}"}}'
-    values = {
-        "sglang:num_running_reqs": len(sim.engine.running),
-        "sglang:num_queue_reqs": len(sim.engine.waiting),
-        "sglang:gen_throughput": sim.engine.gen_throughput(),
-        "sglang:token_usage": 0.0,
-        "sglang:cache_hit_rate": 0.0,
-        "sglang:num_requests_total": sim.arrived,
-        "sglang:prompt_tokens_total": sim.prompt_tokens,
-        "sglang:generation_tokens_total": sim.output_tokens,
-        "sglang:num_aborted_requests_total": sim.finish_counts["abort"],
-        "sglang:context_len": sim.cfg.context_length,
-    }
-    lines = [f"{name}{label} {float(value)}" for name, value in values.items()]
-    return web.Response(text="\n".join(lines) + "\n", content_type="text/plain")

@@ -55,10 +55,10 @@ def build_output(
         "finish_reason": finish_reason,
         "prompt_tokens": seq.prompt_tokens,
         "weight_version": "default",
-        "num_retractions": 0,
+        "num_retractions": seq.num_retractions,
         "reasoning_tokens": comp.reasoning_tokens(end),
         "completion_tokens": end,
-        "cached_tokens": 0,
+        "cached_tokens": seq.cached_tokens,
     }
     if finish_reason is not None:
         now = time.time()

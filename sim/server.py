@@ -18,6 +18,7 @@ from aiohttp import web
 from sim.app import start_site
 from sim.config import SimConfig
 from sim.state import SIM_KEY, SimState
+from sim.steplaw import PROFILES
 
 log = logging.getLogger(__name__)
 
@@ -133,7 +134,37 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--latency-s", type=float, default=d.latency_s)
     p.add_argument("--seed", type=int, default=d.seed, help="seed of the fault injection")
     p.add_argument("--access-log", action="store_true", help="log every HTTP request")
+    gpu = p.add_argument_group("GPU physics (--physics gpu)")
+    gpu.add_argument(
+        "--physics",
+        choices=("fast", "gpu"),
+        default=d.physics,
+        help="fast: N slots at --decode-tok-per-s (default); gpu: batched decode steps, "
+        "KV pool, retraction, prefix cache",
+    )
+    gpu.add_argument(
+        "--profile",
+        choices=sorted(PROFILES),
+        default=d.profile,
+        help="server whose step law and KV pool the gpu mode takes (default: reference)",
+    )
+    gpu.add_argument(
+        "--kv-tokens", type=int, default=None, help="KV pool size in tokens (default: profile's)"
+    )
+    gpu.add_argument(
+        "--time-scale",
+        type=_positive_float,
+        default=d.time_scale,
+        help="simulated seconds per real second (10 = ten times faster than real time)",
+    )
     return p
+
+
+def _positive_float(raw: str) -> float:
+    value = float(raw)
+    if not value > 0:
+        raise argparse.ArgumentTypeError("must be > 0")
+    return value
 
 
 def config_from_args(argv: list[str] | None) -> SimConfig:

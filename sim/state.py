@@ -10,6 +10,7 @@ from aiohttp import web
 from sim.config import SimConfig
 from sim.engine import Engine
 from sim.faults import FaultInjector
+from sim.gpu import GpuEngine
 from sim.outputs import OutputModel
 from sim.reqlog import RequestLog, RequestRecord
 
@@ -21,7 +22,9 @@ class SimState:
         self.cfg = cfg
         self.outputs = OutputModel(cfg.mean_output_tokens, cfg.tokenizer)
         self.injector = FaultInjector(cfg)
-        self.engine = Engine(cfg, self.injector)
+        self.engine: Engine | GpuEngine = (
+            GpuEngine(cfg, self.injector) if cfg.physics == "gpu" else Engine(cfg, self.injector)
+        )
         self.log = RequestLog(cfg.request_log, cfg.log_capacity)
         self.started_ts = time.time()
         self.arrived = 0

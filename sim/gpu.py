@@ -1,0 +1,212 @@
+"""The GPU mode's engine: the asyncio shell around `sim.gpusched.GpuScheduler`.
+
+It offers the HTTP handlers the same interface as `sim.engine.Engine` (submit,
+wait_admitted, decode, finish, abort, load). One background task steps the scheduler: it
+runs a forward pass, sleeps its simulated duration divided by `time_scale` (one sleep per
+pass, whatever the batch size), then publishes the new token counts to the sequences.
+Handlers poll their sequence every chunk interval and are woken early when it ends, so no
+timer exists per token or per request. Output ids still come from `sim.outputs`: the
+physics decides when tokens appear, never which.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator
+
+from sim.config import SimConfig
+from sim.engine import (
+    ABORT_RUNNING,
+    ABORT_WAITING,
+    DONE,
+    RUNNING,
+    Sequence,
+    check_admissible,
+    sleep_unless_woken,
+    wake,
+)
+from sim.errors import SimHttpError
+from sim.faults import FaultInjector
+from sim.gpujob import Job, Step
+from sim.gpusched import GpuScheduler
+from sim.load import Load
+from sim.outputs import Completion
+from sim.steplaw import PROFILES
+
+
+class GpuEngine:
+    """Submits requests to the GPU scheduler and runs its forward passes in real time."""
+
+    def __init__(self, cfg: SimConfig, injector: FaultInjector) -> None:
+        self.cfg = cfg
+        self.injector = injector
+        law = PROFILES[cfg.profile].law
+        self.sched = GpuScheduler(law, cfg.kv_pool_tokens, cfg.max_running_requests)
+        self.inflight: dict[str, Sequence] = {}
+        self._seqs: dict[Job, Sequence] = {}
+        self._jobs: dict[str, Job] = {}
+        self._work = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+
+    @property
+    def running(self) -> list[Job]:
+        """The running batch."""
+        return self.sched.running
+
+    @property
+    def waiting(self) -> list[Job]:
+        """The waiting queue, head first."""
+        return list(self.sched.waiting)
+
+    def submit(self, rid: str, completion: Completion, input_ids: list[int]) -> Sequence:
+        """Register a request (duplicate rid → 400) and queue it for the next prefill."""
+        if rid in self.inflight:
+            raise SimHttpError.request(f"Duplicate request ID detected: {rid}")
+        bound = self.cfg.max_queued_requests
+        check_admissible(
+            self.cfg, len(input_ids), bound is not None and len(self.sched.waiting) >= bound
+        )
+        seq = Sequence(rid, completion, len(input_ids))
+        if self.injector.take_abort():
+            seq.abort_after = len(completion.ids) // 2
+        job = Job(rid, list(input_ids), completion.ids[: seq.target], completion.max_new_tokens)
+        seq.admitted = asyncio.get_running_loop().create_future()
+        self.inflight[rid] = seq
+        self._seqs[job] = seq
+        self._jobs[rid] = job
+        self.sched.submit(job)
+        self._ensure_stepping()
+        return seq
+
+    async def wait_admitted(self, seq: Sequence) -> bool:
+        """Wait for the prefill that admits seq; False if it was aborted while waiting."""
+        if seq.state == RUNNING:
+            return True
+        if seq.admitted is None or seq.state == DONE:
+            return False
+        return await seq.admitted
+
+    async def decode(self, seq: Sequence, step_s: float) -> AsyncIterator[int]:
+        """Yield seq's token count every step_s seconds until it ends."""
+        while seq.state != DONE:
+            await sleep_unless_woken(seq, step_s)
+            yield seq.count
+
+    def finish(self, seq: Sequence) -> None:
+        """The handler is done with seq (idempotent): a request still in flight is aborted."""
+        if seq.state != DONE:
+            self._abort(seq)
+        self._forget(seq)
+
+    def abort(self, rid_prefix: str | None, abort_all: bool = False) -> int:
+        """Abort in-flight requests by rid prefix (or all); returns how many matched."""
+        if not abort_all and not rid_prefix:
+            return 0
+        hits = [
+            s for s in self.inflight.values() if abort_all or s.rid.startswith(rid_prefix or "")
+        ]
+        for seq in hits:
+            self._abort(seq)
+        return len(hits)
+
+    def _abort(self, seq: Sequence) -> None:
+        if seq.state == DONE:
+            return
+        job = self._jobs[seq.rid]
+        waiting = seq.state != RUNNING
+        seq.abort_message = ABORT_WAITING if waiting else ABORT_RUNNING
+        self.sched.abort(job, seq.abort_message)
+        self._end(seq)
+        self._work.set()  # a running abort is released at the next step
+
+    def _end(self, seq: Sequence) -> None:
+        seq.state = DONE
+        if seq.admitted is not None and not seq.admitted.done():
+            seq.admitted.set_result(False)
+        wake(seq)
+
+    def _forget(self, seq: Sequence) -> None:
+        if self.inflight.get(seq.rid) is seq:
+            del self.inflight[seq.rid]
+            self._seqs.pop(self._jobs.pop(seq.rid), None)
+
+    # ---- the stepping task ---------------------------------------------------------------
+
+    def _ensure_stepping(self) -> None:
+        if self._task is None or self._task.done():
+            self._task = asyncio.get_running_loop().create_task(self._run())
+        self._work.set()
+
+    async def _run(self) -> None:
+        while True:
+            step = self.sched.step()
+            if step is None:
+                self._work.clear()
+                await self._work.wait()
+                continue
+            self._admit(step)
+            await asyncio.sleep(step.duration_s / self.cfg.time_scale)
+            self._publish(step)
+
+    def _admit(self, step: Step) -> None:
+        for job in step.jobs:
+            seq = self._seqs.get(job)
+            if seq is not None and seq.state != DONE and seq.state != RUNNING:
+                seq.state = RUNNING
+                if seq.admitted is not None and not seq.admitted.done():
+                    seq.admitted.set_result(True)
+
+    def _publish(self, step: Step) -> None:
+        """Tokens of a pass become visible when the pass ends."""
+        for job in (*step.jobs, *step.retracted, *step.ended):
+            seq = self._seqs.get(job)
+            if seq is None or seq.state == DONE:
+                continue
+            seq.count, seq.cached_tokens = job.generated, job.cached_tokens
+            seq.num_retractions = job.retractions
+            if job.done:
+                if job.abort_message is not None:
+                    seq.abort_message = ABORT_RUNNING
+                self._end(seq)
+
+    # ---- observation ---------------------------------------------------------------------
+
+    def gen_throughput(self) -> float:
+        """Output tokens per simulated second over the recent window."""
+        return self.sched.stats.gen_throughput()
+
+    def load(self) -> Load:
+        """/v1/loads and /metrics figures."""
+        sched, stats = self.sched, self.sched.stats
+        return Load(
+            num_running_reqs=len(sched.running),
+            num_waiting_reqs=len(sched.waiting),
+            num_waiting_uncached_tokens=sum(
+                len(j.fill_ids()) - sched.cache.peek_prefix(j.fill_ids()[:-1])
+                for j in sched.waiting
+            ),
+            num_used_tokens=sched.used_tokens,
+            max_total_num_tokens=sched.kv_tokens,
+            max_running_requests=sched.max_running_requests,
+            gen_throughput=stats.gen_throughput(),
+            cache_hit_rate=stats.last_cache_hit_rate,
+            num_retracted_reqs=stats.recent_retractions(),
+            retracted_reqs_total=stats.retracted_reqs_total,
+            retracted_input_tokens_total=stats.retracted_input_tokens_total,
+            retracted_output_tokens_total=stats.retracted_output_tokens_total,
+            new_token_ratio=sched.new_token_ratio,
+            num_waiting_retracted=sum(1 for j in sched.waiting if j.retractions),
+        )
+
+    def flush_cache(self) -> None:
+        """Empty the prefix cache, as SGLang does, only when no request is in flight."""
+        if not self.sched.running and not self.sched.waiting:
+            self.sched.cache.reset()
+
+    async def close(self) -> None:
+        """Stop the stepping task."""
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
