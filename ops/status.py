@@ -15,7 +15,8 @@ During a run's first minute the window is not full yet, so the rate reads low.
 worker recorded in SQL): they wait inside workers for their retry, so they are neither
 ``queued`` (messages in Redis) nor ``inflight``. A server that refuses connections is
 retried without end, so this, with ``last_error`` and ``last_error_count`` (how many of
-them hold that newest error), is what tells a stuck run from an idle one.
+them hold that newest error), is what tells a stuck run from an idle one. A closed
+dataset has none: its prompts left queued are dropped when a worker meets them.
 
 A Redis that holds no ledger of a dataset SQL knows (flushed, restarted without its
 data, or a new database) would show zero tokens used: status rebuilds it from SQL first,
@@ -125,6 +126,8 @@ def eta_seconds(
 def _row(ds: DatasetRow, counts: dict[str, int], led: LedgerState, sums: ResultSums,
          recent: ResultSums | None, retry: Retrying) -> DatasetStatus:
     closed = ds.state == "closed" or led.state == "closed"
+    if closed:  # its prompts left queued are dropped, not retried, whatever they last met
+        retry = Retrying()
     basis, mean = ds.budget.basis, sums.mean(ds.budget.basis)
     queued_prompts = counts.get("queued", 0)
     eta = eta_seconds(

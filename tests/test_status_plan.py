@@ -344,6 +344,10 @@ def test_status_shows_samples_waiting_on_an_unreachable_server(
     row = status_json(capsys)["datasets"][0]
     assert (row["retrying"], row["last_error"], row["last_error_count"]) == (
         5, "HTTP 503: queue full", 2)
+    # Closed, its queued prompts are dropped when met, not retried.
+    assert main(["purge", "un"]) == 0
+    row = status_json(capsys)["datasets"][0]
+    assert (row["state"], row["retrying"], row["last_error"]) == ("closed", 0, None)
 
 
 def _frames(proc: subprocess.Popen[str], wanted: int) -> list[list[str]]:
