@@ -41,6 +41,7 @@ SELECT dataset,
        SUM(completion_tokens)                               AS output_tokens,
        ROUND(AVG(completion_tokens), 1)                     AS mean_tokens,
        SUM(CASE WHEN finish_reason = 'length' THEN 1 ELSE 0 END) AS cut_by_length,
+       SUM(CASE WHEN finish_reason = 'budget' THEN 1 ELSE 0 END) AS cut_at_budget,
        ROUND(AVG(e2e_latency_s), 2)                         AS mean_latency_s
 FROM results GROUP BY dataset ORDER BY dataset
 """

@@ -1,12 +1,17 @@
 """``datagen export``: stored results as training files, one per dataset, plus a manifest.
 
     datagen export --format specforge|speculators|parquet --out DIR [--dataset NAME ...]
+                   [--allow-empty]
 
 Writes ``DIR/<dataset>.specforge.jsonl`` (or ``.speculators.jsonl``, ``.parquet``) and
 ``DIR/manifest.json``. Memory stays flat in the number of results: rows stream from SQL
 in batches and go to the file one by one. Each dataset is read up to the newest result
 present when its export starts, so workers may keep running; the manifest records that
 bound and ``datagen validate`` checks against it.
+
+A dataset that has results but whose file gets no row (every sample left out) fails the
+export with exit 1, the reasons counted, unless ``--allow-empty`` says it is wanted; the
+files and the manifest are written either way, and the manifest records the choice.
 """
 
 from __future__ import annotations
@@ -14,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 from collections import Counter
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -51,6 +57,8 @@ def add_export_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParse
     p.add_argument("--out", required=True, help="directory to write into (created if absent)")
     p.add_argument("--dataset", action="extend", nargs="+", dest="datasets", metavar="NAME",
                    help="only these datasets (default: all)")
+    p.add_argument("--allow-empty", action="store_true",
+                   help="exit 0 even when a dataset with results gets a file with no row")
     return p
 
 
@@ -138,11 +146,13 @@ def select_datasets(store: Store, names: list[str] | None) -> list[DatasetRow]:
     return [store.dataset(name) for name in dict.fromkeys(names)]
 
 
-def manifest(fmt: str, database_url: str, stats: list[DatasetExport]) -> dict[str, Any]:
+def manifest(fmt: str, database_url: str, stats: list[DatasetExport],
+             allow_empty: bool = False) -> dict[str, Any]:
     used = sorted({reason for s in stats for reason in s.left_out})
     return {
         "datagen_export": MANIFEST_VERSION,
         "format": fmt,
+        "allow_empty": allow_empty,
         "created_at": datetime.now(UTC).isoformat().replace("+00:00", "Z"),
         "database_url": safe_url(database_url),
         "datasets": {s.name: s.as_manifest() for s in stats},
@@ -183,6 +193,15 @@ def summary_lines(fmt: str, out: Path, stats: list[DatasetExport]) -> list[str]:
     return lines
 
 
+def empty_files(stats: list[DatasetExport]) -> list[str]:
+    """Each dataset whose file holds no row though SQL holds results, with the reasons."""
+    return [
+        f"{s.name}: 0 of {s.results:,} results exported ("
+        + ", ".join(f"{n:,} {reason}" for reason, n in sorted(s.left_out.items())) + ")"
+        for s in stats if s.results and not s.exported
+    ]
+
+
 def _progress() -> Progress:
     console = make_console(stderr=True)
     return Progress(
@@ -198,6 +217,12 @@ def run_export(args: argparse.Namespace, settings: Settings) -> int:
     prepare_out(out)
     with _progress() as progress:
         stats = [export_dataset(store, ds, args.format, out, progress) for ds in datasets]
-    write_manifest(out, manifest(args.format, settings.database_url, stats))
+    write_manifest(out, manifest(args.format, settings.database_url, stats, args.allow_empty))
     print("\n".join(summary_lines(args.format, out, stats)))
+    empty = empty_files(stats)
+    if empty and not args.allow_empty:
+        # A file with no row trains nothing; an exit 0 would let a pipeline carry on with it.
+        print("datagen export: error: an export file holds no row:\n  " + "\n  ".join(empty)
+              + "\n(pass --allow-empty to accept empty files)", file=sys.stderr)
+        return 1
     return 0

@@ -136,6 +136,41 @@ def prompt_counts(engine: Engine) -> dict[str, dict[str, int]]:
     return counts
 
 
+@dataclass(frozen=True)
+class Retrying:
+    """A dataset's prompts still queued with a failed attempt recorded: each one waits in
+    a worker to be tried again (an unreachable server is retried without end, uncounted,
+    so only these figures show it). ``last_error`` is the newest error recorded and
+    ``last_error_samples`` how many of them hold that same error."""
+
+    samples: int = 0
+    last_error: str | None = None
+    last_error_samples: int = 0
+
+
+def retrying(engine: Engine) -> dict[str, Retrying]:
+    """Per dataset, its retrying prompts, in one query (``ix_prompts_dataset_state``).
+
+    A worker records each failed attempt's error on the prompt (``Store.record_attempt``)
+    and clears it when the sample is stored, so a queued prompt with an error is one whose
+    last attempt failed."""
+    q = (
+        sa.select(prompts.c.dataset, prompts.c.error, sa.func.count(),
+                  sa.func.max(prompts.c.updated_at))
+        .where(prompts.c.state == "queued", prompts.c.error.is_not(None))
+        .group_by(prompts.c.dataset, prompts.c.error)
+    )
+    totals: dict[str, int] = {}
+    newest: dict[str, tuple[Any, str, int]] = {}
+    with engine.connect() as conn:
+        for name, error, n, at in conn.execute(q):
+            totals[name] = totals.get(name, 0) + int(n)
+            if name not in newest or at > newest[name][0]:
+                newest[name] = (at, str(error), int(n))
+    return {name: Retrying(total, newest[name][1], newest[name][2])
+            for name, total in totals.items()}
+
+
 def mean_prompt_tokens(engine: Engine) -> dict[str, Fraction]:
     """Per dataset, the exact mean length of prompts that can still produce a sample."""
     q = (

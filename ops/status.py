@@ -10,28 +10,50 @@ far), both on the dataset's budget basis. It is null for a closed dataset and wh
 result arrived in the last minute, and 0 once no prompt is left to generate. The totals'
 ETA is the largest of the open datasets' known ETAs, since datasets run side by side.
 During a run's first minute the window is not full yet, so the rate reads low.
+
+``retrying`` counts the prompts still queued whose last attempt failed (the error the
+worker recorded in SQL): they wait inside workers for their retry, so they are neither
+``queued`` (messages in Redis) nor ``inflight``. A server that refuses connections is
+retried without end, so this, with ``last_error`` and ``last_error_count`` (how many of
+them hold that newest error), is what tells a stuck run from an idle one. A closed
+dataset has none: its prompts left queued are dropped when a worker meets them.
+
+A Redis that holds no ledger of a dataset SQL knows (flushed, restarted without its
+data, or a new database) would show zero tokens used: status rebuilds it from SQL first,
+as workers and ``enqueue`` do, and says so under the table (on stderr with ``--json``).
+
+``--watch`` redraws in place on a terminal; into a pipe or a file it writes one frame
+every 2 s (the table under its timestamped title, then a blank line), flushed.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import sys
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, fields
 from datetime import UTC, datetime
 from typing import Any
 
-from rich import box
+from rich.console import Console, Group, RenderableType
 from rich.live import Live
-from rich.table import Table
 
 from common.console import make_console
 from common.ledger import Ledger, LedgerState
+from common.reconcile import reconcile_dataset
 from common.services import connect
 from common.settings import Settings
 from common.store import DatasetRow, Store
-from ops import progress
-from ops.progress import RATE_WINDOW_S, ResultSums
+from ops import progress, status_view
+from ops.progress import RATE_WINDOW_S, ResultSums, Retrying
+from ops.status_view import duration
+
+__all__ = ["DatasetStatus", "Totals", "collect", "duration", "eta_seconds", "rebuild_lost",
+           "render", "run_status", "totals"]
+WATCH_EVERY_S = 2.0
 
 # Fields of DatasetStatus shown in the table but left out of the JSON, whose keys are
 # a documented contract.
@@ -57,6 +79,9 @@ class DatasetStatus:
     tok_per_s: float
     eta_s: int | None
     mean_tokens: float | None
+    retrying: int = 0
+    last_error: str | None = None
+    last_error_count: int = 0
 
 
 @dataclass(frozen=True)
@@ -74,6 +99,7 @@ class Totals:
     overshoot_tokens: int
     tok_per_s: float
     eta_s: int | None
+    retrying: int
 
 
 def _iso(ts: float | None, fallback: datetime | None) -> str | None:
@@ -98,8 +124,10 @@ def eta_seconds(
 
 
 def _row(ds: DatasetRow, counts: dict[str, int], led: LedgerState, sums: ResultSums,
-         recent: ResultSums | None) -> DatasetStatus:
+         recent: ResultSums | None, retry: Retrying) -> DatasetStatus:
     closed = ds.state == "closed" or led.state == "closed"
+    if closed:  # its prompts left queued are dropped, not retried, whatever they last met
+        retry = Retrying()
     basis, mean = ds.budget.basis, sums.mean(ds.budget.basis)
     queued_prompts = counts.get("queued", 0)
     eta = eta_seconds(
@@ -125,6 +153,9 @@ def _row(ds: DatasetRow, counts: dict[str, int], led: LedgerState, sums: ResultS
         tok_per_s=round(progress.rate(recent, "output", RATE_WINDOW_S), 1),
         eta_s=eta,
         mean_tokens=mean,
+        retrying=retry.samples,
+        last_error=retry.last_error,
+        last_error_count=retry.last_error_samples,
     )
 
 
@@ -133,16 +164,32 @@ def collect(store: Store, ledger: Ledger, now: datetime | None = None) -> list[D
     counts = progress.prompt_counts(store.engine)
     sums = progress.result_sums(store.engine)
     recent = progress.recent_sums(store.engine, [d.name for d in dsets], RATE_WINDOW_S, now)
+    retrying = progress.retrying(store.engine)
     return [
         _row(ds, counts.get(ds.name, {}), ledger.state(ds.name),
-             sums.get(ds.name, ResultSums()), recent.get(ds.name))
+             sums.get(ds.name, ResultSums()), recent.get(ds.name),
+             retrying.get(ds.name, Retrying()))
         for ds in dsets
     ]
 
 
+def rebuild_lost(store: Store, ledger: Ledger) -> list[str]:
+    """Rebuild from SQL each ledger Redis lacks; returns a line saying so, if any was.
+
+    The datasets set is written with every ledger (``Ledger.configure``), so a dataset
+    SQL knows and Redis does not list has no ledger there at all."""
+    lost = sorted(set(store.dataset_names()) - set(ledger.known()))
+    if not lost:
+        return []
+    added = sum(reconcile_dataset(store, ledger, name).tokens_added for name in lost)
+    where, _ = ledger.where()
+    return [f"Redis at {where} held no ledger of {', '.join(lost)}: rebuilt from SQL "
+            f"({added:,} tokens)"]
+
+
 def totals(rows: list[DatasetStatus]) -> Totals:
     summed = ("prompts", "done", "failed", "skipped", "queued", "inflight", "used_tokens",
-              "budget_tokens", "overshoot_tokens")
+              "budget_tokens", "overshoot_tokens", "retrying")
     etas = [r.eta_s for r in rows if r.state == "open" and r.eta_s is not None]
     return Totals(
         datasets=len(rows),
@@ -153,62 +200,9 @@ def totals(rows: list[DatasetStatus]) -> Totals:
     )
 
 
-def duration(seconds: int | None) -> str:
-    """Compact, at most 7 characters: 42s, 12m 05s, 5h 07m, 2d 03h; blank when unknown."""
-    if seconds is None:
-        return ""
-    if seconds < 60:
-        return f"{seconds}s"
-    if seconds < 3600:
-        return f"{seconds // 60}m {seconds % 60:02d}s"
-    if seconds < 86400:
-        return f"{seconds // 3600}h {seconds % 3600 // 60:02d}m"
-    return f"{seconds // 86400}d {seconds % 86400 // 3600:02d}h"
-
-
-def short_tokens(n: int) -> str:
-    """A budget as people say it (10M, 500k) when it is round, else in full."""
-    for scale, suffix in ((1_000_000_000, "G"), (1_000_000, "M"), (1_000, "k")):
-        if n >= scale and n % scale == 0:
-            return f"{n // scale:,}{suffix}"
-    return f"{n:,}"
-
-
-def _bar(used: int, budget: int, width: int = 8) -> str:
-    frac = min(1.0, used / budget) if budget else 0.0
-    filled = round(frac * width)
-    return "█" * filled + "·" * (width - filled) + f" {frac:4.0%}"
-
-
-COLUMNS = ("dataset", "state", "prompts", "done", "failed", "skipped", "queued", "in\nflight",
-           "tokens used / budget", "", "overshoot", "tok/s", "mean\ntok", "ETA")
-LEFT = ("dataset", "state", "")
-
-
-def _cells(r: DatasetStatus | Totals, name: str, state: str, mean: float | None) -> list[str]:
-    return [
-        name, state, f"{r.prompts:,}", f"{r.done:,}", f"{r.failed:,}", f"{r.skipped:,}",
-        f"{r.queued:,}", f"{r.inflight:,}", f"{r.used_tokens:,} / {short_tokens(r.budget_tokens)}",
-        _bar(r.used_tokens, r.budget_tokens), f"{r.overshoot_tokens:,}",
-        f"{r.tok_per_s:,.1f}", "" if mean is None else f"{mean:,.0f}", duration(r.eta_s),
-    ]
-
-
-def render(rows: list[DatasetStatus]) -> Table:
-    """The table: ten datasets of 14,714 prompts with 10M budgets fit 160 columns."""
-    # No vertical rules: ten 10M datasets and a long name still fit 160 columns.
-    table = Table(title=f"datagen status  {datetime.now(UTC):%Y-%m-%d %H:%M:%S}Z",
-                  title_justify="left", box=box.SIMPLE_HEAD, show_edge=False,
-                  collapse_padding=True)
-    for col in COLUMNS:
-        table.add_column(col, justify="left" if col in LEFT else "right",
-                         no_wrap=col != "dataset", overflow="fold")
-    for i, r in enumerate(rows):
-        table.add_row(*_cells(r, r.name, r.state, r.mean_tokens), end_section=i == len(rows) - 1)
-    if rows:
-        tot = totals(rows)
-        table.add_row(*_cells(tot, "total", f"{tot.open} open", None))
-    return table
+def render(rows: list[DatasetStatus], extra: Sequence[str] = ()) -> Group:
+    """The table of ``rows`` with their totals, and the notes under it (ops.status_view)."""
+    return status_view.render(rows, totals(rows) if rows else None, extra)
 
 
 def as_json(rows: list[DatasetStatus]) -> dict[str, Any]:
@@ -221,17 +215,41 @@ def as_json(rows: list[DatasetStatus]) -> dict[str, Any]:
 
 def run_status(args: argparse.Namespace, settings: Settings) -> int:
     store, ledger = connect(settings)
+
+    def frame() -> RenderableType:
+        rebuilt = rebuild_lost(store, ledger)
+        return render(collect(store, ledger), rebuilt)
+
     if args.json:
+        for line in rebuild_lost(store, ledger):
+            print(f"datagen status: {line}", file=sys.stderr)
         print(json.dumps(as_json(collect(store, ledger)), indent=2))
         return 0
     console = make_console()
     if not args.watch:
-        console.print(render(collect(store, ledger)))
+        console.print(frame())
         return 0
-    with Live(render(collect(store, ledger)), console=console, auto_refresh=False) as live:
-        try:
-            while True:
-                time.sleep(2)
-                live.update(render(collect(store, ledger)), refresh=True)
-        except KeyboardInterrupt:
-            return 0
+    return watch(console, frame)
+
+
+def watch(console: Console, frame: Callable[[], RenderableType],
+          every_s: float = WATCH_EVERY_S) -> int:
+    """Redraw in place on a terminal; elsewhere, append frames (Live would write nothing
+    to a pipe until it stops). Ends on Ctrl-C, or quietly when the reader goes away."""
+    try:
+        if console.is_terminal:
+            with Live(frame(), console=console, auto_refresh=False) as live:
+                while True:
+                    time.sleep(every_s)
+                    live.update(frame(), refresh=True)
+        while True:
+            console.print(frame())
+            console.print()
+            console.file.flush()
+            time.sleep(every_s)
+    except KeyboardInterrupt:
+        return 0
+    except BrokenPipeError:
+        # `datagen status --watch | head`: stop without a traceback at exit's flush.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0

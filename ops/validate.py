@@ -14,7 +14,10 @@ the export read and what it left out. For each dataset:
   ``input_ids``/``output_ids`` are the stored prompt and output ids exactly, and the
   mask matches the prompt length), and names a stored result;
 * every stored result up to the manifest's bound is either in the file or left out for
-  a reason the exporter gives, and the counts equal the manifest's.
+  a reason the exporter gives, and the counts equal the manifest's;
+* a file holds at least one row when its dataset has results, unless the export was made
+  with ``--allow-empty``; and an export whose files hold no row at all while SQL holds
+  results always fails: there is nothing in it to train on.
 
 Memory holds the set of ids seen in one file (to find duplicates and what is missing);
 records and SQL rows are streamed. Exit 1 on any mismatch, 0 when clean.
@@ -69,8 +72,9 @@ class DatasetCheck:
     """One dataset's file checked against SQL; mismatches go to the shared findings."""
 
     def __init__(self, store: Store, directory: Path, fmt: str, name: str,
-                 entry: dict[str, Any], findings: Findings) -> None:
+                 entry: dict[str, Any], findings: Findings, allow_empty: bool = False) -> None:
         self.store, self.fmt, self.name, self.entry = store, fmt, name, entry
+        self.allow_empty = allow_empty
         # Only a file name: a manifest must not point validate outside the export.
         self.path = directory / Path(str(entry.get("file", ""))).name
         self.upto = int(entry.get("upto_result_id", 0))
@@ -78,6 +82,7 @@ class DatasetCheck:
         self.findings = findings
         self.seen: set[str] = set()
         self.records = 0
+        self.results = 0
 
     def _where(self, where: str) -> str:
         return f"{self.path.name} {where}"
@@ -88,7 +93,13 @@ class DatasetCheck:
             return f"{self.name}: file missing"
         self._check_file()
         results, left_out = self._check_sql()
+        self.results = results
         self._check_counts(results, left_out)
+        if results and not self.seen and not self.allow_empty:
+            reasons = ", ".join(f"{n:,} {r}" for r, n in sorted(left_out.items()))
+            self.findings.mismatch("empty", f"{self.name}: {self.path.name} holds no row of "
+                                   f"{results:,} stored results ({reasons}); export with "
+                                   "--allow-empty to accept an empty file")
         if snapshot_id(self.store, self.name) > self.upto:
             self.findings.notes.append(f"{self.name}: results stored after the export (ids "
                                        f"above {self.upto}) were not checked")
@@ -219,7 +230,12 @@ def run_validate(args: argparse.Namespace, settings: Settings) -> int:
     if doc.get("database_url") != safe_url(settings.database_url):
         print(f"note: the export was made from {doc.get('database_url')}")
     findings = Findings()
-    checked = [DatasetCheck(store, directory, fmt, name, doc["datasets"][name], findings).run()
-               for name in names]
+    allow_empty = doc.get("allow_empty") is True
+    checks = [DatasetCheck(store, directory, fmt, name, doc["datasets"][name], findings,
+                           allow_empty) for name in names]
+    checked = [check.run() for check in checks]
+    results = sum(check.results for check in checks)
+    if results and not any(check.seen for check in checks):
+        findings.mismatch("empty", f"the export holds no row of {results:,} stored results")
     print("\n".join(report_lines(fmt, checked, findings)))
     return 1 if findings.total else 0

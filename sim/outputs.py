@@ -10,8 +10,9 @@ randomness is derived from a blake2b digest of the prompt ids:
   more tokens never changes the earlier ones, so a larger max_new_tokens extends a
   capped output instead of replacing it.
 
-With a real tokenizer the output looks like a reasoning model's: ordinary vocabulary ids,
-`</think>` about 60 % into the output, answer ids, then EOS.
+The output looks like a reasoning model's: ordinary vocabulary ids, `</think>` about 60 %
+into the output, answer ids, then EOS; with a real tokenizer its own ids and text, else
+the plain vocabulary's (sim/vocab.py).
 """
 
 from __future__ import annotations

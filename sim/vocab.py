@@ -1,6 +1,8 @@
 """Vocabularies the simulator draws output ids from.
 
-`PlainVocab` needs nothing and is very cheap (ids in [10, 32000), EOS 2, text "t<id> ...").
+`PlainVocab` needs nothing and is very cheap (ids in [10, 32000), EOS 2, `</think>` 3,
+text "t<id> ... </think> t<id> ..."): it models a reasoning model like the tokenizer mode
+does, so a reasoning export can split its outputs whatever tokenizer the prompts used.
 `TokenizerVocab` uses a real `tokenizers` file so that clients which decode, count or parse
 reasoning see realistic ids: only ordinary (non-added, printable) tokens are drawn, EOS and
 `</think>` come from the tokenizer itself.
@@ -15,6 +17,8 @@ from array import array
 from pathlib import Path
 
 PLAIN_EOS_ID = 2
+PLAIN_THINK_ID = 3
+PLAIN_THINK_TEXT = "</think>"
 PLAIN_LOW, PLAIN_HIGH = 10, 32000
 _EOS_FALLBACKS = ("<|im_end|>", "<|endoftext|>", "</s>", "<eos>")
 
@@ -32,7 +36,7 @@ class PlainVocab:
     """Synthetic vocabulary: no tokenizer needed, decoding is a string join."""
 
     eos_id: int = PLAIN_EOS_ID
-    think_id: int | None = None
+    think_id: int | None = PLAIN_THINK_ID
 
     def content_ids(self, seed: bytes, n: int) -> list[int]:
         """n ids in [PLAIN_LOW, PLAIN_HIGH)."""
@@ -40,8 +44,10 @@ class PlainVocab:
         return [PLAIN_LOW + w % span for w in _stream_words(seed, n, "H")]
 
     def decode(self, ids: list[int]) -> str:
-        """Space-joined "t<id>" words; EOS is special and skipped, like SGLang's detokenizer."""
-        return " ".join(f"t{i}" for i in ids if i != PLAIN_EOS_ID)
+        """Space-joined "t<id>" words and `</think>`; EOS is special and skipped, like
+        SGLang's detokenizer (`</think>` is not special in reasoning tokenizers: it stays)."""
+        return " ".join(PLAIN_THINK_TEXT if i == PLAIN_THINK_ID else f"t{i}"
+                        for i in ids if i != PLAIN_EOS_ID)
 
 
 class TokenizerVocab:

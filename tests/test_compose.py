@@ -153,10 +153,16 @@ def setting_env_names() -> list[str]:
 # -- (a) docker-compose accepts it ---------------------------------------------------------------
 
 
-def _docker_compose(*args: str, env_file: Path) -> subprocess.CompletedProcess[str]:
+def _compose_binary() -> str:
+    """The checker's docker-compose; the tests that need it skip where it is absent."""
     binary = shutil.which("docker-compose")
     if binary is None:
         pytest.skip("docker-compose is not installed (CI: apt-get install -y docker-compose)")
+    return binary
+
+
+def _docker_compose(*args: str, env_file: Path) -> subprocess.CompletedProcess[str]:
+    binary = _compose_binary()
     env = {"PATH": os.environ.get("PATH", ""), "HOME": os.environ.get("HOME", "/tmp")}
     return subprocess.run(
         [binary, "--env-file", str(env_file), "-f", str(COMPOSE_FILE), *args],
@@ -178,8 +184,7 @@ def test_docker_compose_config_accepts_the_file(profile: list[str], tmp_path: Pa
 def test_docker_compose_config_needs_no_env_file() -> None:
     """A fresh checkout has no .env: Compose must still read the file (the secrets are
     checked by the services themselves when they start, below)."""
-    binary = shutil.which("docker-compose")
-    assert binary, "docker-compose is not installed (apt-get install docker-compose)"
+    binary = _compose_binary()
     env = {k: v for k, v in os.environ.items() if k not in SECRETS}
     done = subprocess.run([binary, "-f", str(COMPOSE_FILE), "config", "-q"], cwd=ROOT,
                           env=env, capture_output=True, text=True, timeout=60)

@@ -54,6 +54,7 @@ def test_the_demo_runs_end_to_end_then_resumes_without_generating_twice(
     assert after_first["math"][:2] == (60, 60)
     code_rows, code_samples, code_tokens = after_first["code"]
     assert code_rows == code_samples and 0 < code_samples < 60 and code_tokens >= 6000
+    assert code_tokens == 6000  # the `exact` policy the README states: no overshoot
 
     again = run_demo(db_file)
     assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]

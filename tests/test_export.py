@@ -31,7 +31,7 @@ from ops.export_rows import BATCH_ROWS, ExportRow
 from ops.specforge_check import row_error
 from ops.validate import add_validate_parser, run_validate
 from tests.conftest import REDIS_URL, _fresh_postgres, make_settings
-from tests.helpers import enqueue_paths, running_worker, wait_settled
+from tests.helpers import enqueue_paths, running_worker, wait_settled, write_dataset
 
 # Prompts whose turns SpecForge's checker rejects: the export must leave them out.
 BAD_PROMPTS = {
@@ -100,8 +100,9 @@ def _args(command: str, *argv: str) -> argparse.Namespace:
     return parser.parse_args([command, *argv])
 
 
-def export(p: Produced, fmt: str, out: Path, *names: str) -> int:
+def export(p: Produced, fmt: str, out: Path, *names: str, allow_empty: bool = False) -> int:
     extra = ["--dataset", *names] if names else []
+    extra += ["--allow-empty"] if allow_empty else []
     return run_export(_args("export", "--format", fmt, "--out", str(out), *extra), p.settings)
 
 
@@ -142,7 +143,8 @@ def manifest_of(out: Path) -> dict[str, Any]:
 def test_specforge_export_leaves_out_cut_samples_and_validates(
     produced: Produced, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    assert export(produced, "specforge", tmp_path) == 0
+    # Every cut sample is left out, so cut's file is empty: asked for here.
+    assert export(produced, "specforge", tmp_path, allow_empty=True) == 0
     doc = manifest_of(tmp_path)
     assert doc["format"] == "specforge" and set(doc["datasets"]) == {"alpha", "cut"}
     cut = stored(produced.store, "cut")
@@ -234,6 +236,74 @@ def test_results_stored_after_the_export_are_noted_not_flagged(
             conn.execute(results.delete().where(results.c.sample_id == "cut-late"))
 
 
+def test_an_export_with_no_row_of_its_results_fails_unless_allowed(
+    produced: Produced, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    capsys.readouterr()
+    assert export(produced, "specforge", tmp_path / "a", "cut") == 1
+    captured = capsys.readouterr()
+    assert "cut: 0 exported, 5 left out" in captured.out  # written and summed up all the same
+    assert "cut: 0 of 5 results exported (5 cut_while_reasoning)" in captured.err
+    assert "--allow-empty" in captured.err
+    assert manifest_of(tmp_path / "a")["allow_empty"] is False
+    assert validate(produced, tmp_path / "a") == 1
+    out = capsys.readouterr().out
+    assert "validation FAILED" in out and "[empty]" in out
+    assert "cut.specforge.jsonl holds no row of 5 stored results (5 cut_while_reasoning)" in out
+    assert "the export holds no row of 5 stored results" in out
+    # Asked for: the export exits 0, but an export with no row at all still fails validation.
+    assert export(produced, "specforge", tmp_path / "b", "cut", allow_empty=True) == 0
+    assert manifest_of(tmp_path / "b")["allow_empty"] is True
+    capsys.readouterr()
+    assert validate(produced, tmp_path / "b") == 1
+    out = capsys.readouterr().out
+    assert "the export holds no row of 5 stored results" in out
+    assert "holds no row of 5 stored results (" not in out  # the one empty file is allowed
+    # Another format keeps every cut sample: not empty, nothing to allow.
+    assert export(produced, "speculators", tmp_path / "c", "cut") == 0
+
+
+def test_an_empty_file_of_one_dataset_fails_validation_unless_allowed(
+    produced: Produced, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert export(produced, "specforge", tmp_path) == 1  # alpha has rows, cut has none
+    capsys.readouterr()
+    assert validate(produced, tmp_path) == 1
+    out = capsys.readouterr().out
+    assert "cut.specforge.jsonl holds no row" in out and "alpha.specforge.jsonl" not in out
+    assert "the export holds no row" not in out  # alpha's rows are there
+
+
+def test_simulator_without_a_tokenizer_gives_a_reasoning_export_rows(
+    sqlite_url: str, redis_client: redis.Redis, tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """`datagen sim` as the README starts it (no --tokenizer), prompts templated with the
+    bundled tokenizer, which opens a reasoning block: each output closes it."""
+    from sim import SimConfig, SimServer
+
+    server = SimServer(SimConfig(port=0, decode_tok_per_s=0, mean_output_tokens=40))
+    settings = make_settings(sqlite_url, server.start())
+    try:
+        enqueue_paths(settings, [str(write_dataset(tmp_path, "plain", 8))])
+        assert Store(sqlite_url).dataset("plain").reasoning_open == "<think>"
+        with running_worker(settings, concurrency=4):
+            wait_settled(Store(sqlite_url), ["plain"])
+    finally:
+        server.stop()
+    p = Produced(settings, Store(sqlite_url))
+    assert export(p, "specforge", tmp_path / "out") == 0
+    doc = manifest_of(tmp_path / "out")["datasets"]["plain"]
+    rows = read_jsonl(tmp_path / "out" / "plain.specforge.jsonl")
+    assert doc["results"] == 8 and doc["exported"] == len(rows) > 0
+    for row in rows:
+        answer = row["conversations"][-1]
+        assert answer["reasoning_content"] and answer["content"]
+        assert "</think>" not in answer["reasoning_content"] + answer["content"]
+    assert validate(p, tmp_path / "out") == 0
+    assert "validation passed" in capsys.readouterr().out
+
+
 # -- tampering ---------------------------------------------------------------------------
 
 
@@ -284,7 +354,7 @@ def test_tampered_export_fails_validation(
     produced: Produced, tmp_path: Path, capsys: pytest.CaptureFixture[str], tamper: str
 ) -> None:
     fmt, edit, expected = TAMPERS[tamper]
-    assert export(produced, fmt, tmp_path) == 0
+    assert export(produced, fmt, tmp_path, allow_empty=True) == 0  # specforge: cut is empty
     assert validate(produced, tmp_path) == 0
     capsys.readouterr()
     ext = "parquet" if fmt == "parquet" else f"{fmt}.jsonl"

@@ -7,6 +7,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from pathlib import Path
 from typing import TypeVar
+from urllib.parse import urlsplit
 
 import pytest
 import redis
@@ -20,7 +21,7 @@ from common.pairing import pair, paired_elsewhere
 from common.reconcile import reconcile_all
 from common.settings import Settings
 from common.store import Store
-from tests.conftest import POSTGRES_URL, _fresh_postgres, make_settings
+from tests.conftest import POSTGRES_URL, REDIS_URL, _fresh_postgres, make_settings
 from tests.faultkit import Workers, wait_for
 from tests.helpers import context_for, enqueue_paths, wait_settled, write_dataset
 from tests.test_faults_input import cli
@@ -56,6 +57,13 @@ def test_a_database_user_who_may_only_read_gets_the_id(tmp_path: Path) -> None:
             conn.exec_driver_sql("REVOKE ALL ON ALL TABLES IN SCHEMA public FROM datagen_reader")
             conn.exec_driver_sql("DROP ROLE datagen_reader")
         engine.dispose()
+
+
+def redis_cli_args(url: str) -> str:
+    """The redis-cli arguments that reach the database of a redis:// URL."""
+    parts = urlsplit(url)
+    db = parts.path.lstrip("/") or "0"
+    return f"-h {parts.hostname or 'localhost'} -p {parts.port or 6379} -n {db}"
 
 
 def _queued(client: redis.Redis, name: str) -> int:
@@ -94,7 +102,7 @@ def test_a_command_on_another_database_is_refused_and_changes_nothing(
     assert "holds the queues and ledgers of another results database" in err
     ours, theirs = Store(other_url).store_id, Store(paired_run.database_url).store_id
     assert f"(store {theirs[:12]}), not of {other_url} (store {ours[:12]})" in err
-    assert "redis-cli -h 127.0.0.1 -p 6379" in err and "flushdb" in err
+    assert f"redis-cli {redis_cli_args(REDIS_URL)} flushdb" in err
     assert Ledger(redis_client).state("alpha") == before and _queued(redis_client, "alpha") == 6
     assert redis_client.get(STORE_ID) == theirs.encode()
     assert Store(other_url).prompt_counts("alpha") == {}  # nothing stored on the refused side

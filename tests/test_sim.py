@@ -28,6 +28,7 @@ from sim.server import config_from_args
 TOKENIZER_DIR = Path(__file__).resolve().parents[1] / "common" / "assets" / "tokenizer"
 CONTEXT = 4096
 PLAIN_EOS = 2
+PLAIN_THINK = 3
 
 
 @pytest.fixture(scope="module")
@@ -112,10 +113,15 @@ def test_nonstream_shape_and_invariants(fast: str) -> None:
     assert len(out["output_ids"]) == meta["completion_tokens"]
     assert meta["prompt_tokens"] == 3
     assert meta["weight_version"] == "default" and meta["num_retractions"] == 0
-    assert meta["reasoning_tokens"] == 0 and meta["cached_tokens"] == 0
+    ids = out["output_ids"][:-1]
+    # The plain vocabulary closes the reasoning once, like a reasoning model: `</think>` (3).
+    assert ids.count(PLAIN_THINK) == 1 and ids.index(PLAIN_THINK) > 0
+    assert meta["reasoning_tokens"] == ids.index(PLAIN_THINK) + 1 and meta["cached_tokens"] == 0
     assert 0 <= meta["e2e_latency"] < 5 and meta["response_sent_to_client_ts"] > 1e9
-    assert all(10 <= i < 32000 for i in out["output_ids"][:-1])
-    assert out["text"] == " ".join(f"t{i}" for i in out["output_ids"][:-1])
+    assert all(10 <= i < 32000 for i in ids if i != PLAIN_THINK)
+    assert out["text"] == " ".join("</think>" if i == PLAIN_THINK else f"t{i}" for i in ids)
+    reasoning, found, answer = out["text"].partition("</think>")
+    assert found and reasoning.strip() and answer.strip()
 
 
 def test_outputs_are_deterministic_per_prompt(fast: str) -> None:

@@ -9,33 +9,41 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
+import socket
+import subprocess
+import sys
+import threading
 from datetime import UTC, datetime, timedelta
 from fractions import Fraction
 from pathlib import Path
 from typing import Any
 
 import pytest
+import redis
 import sqlalchemy as sa
 
+from common.keys import STORE_ID
 from common.schema import prompts, results
 from common.settings import Settings
 from common.store import Store, as_utc
 from ops.cli import main
 from ops.plan import MIN_OBSERVED, add_plan_parser, run_plan
 from ops.status import duration, eta_seconds
+from tests.faultkit import wait_for
 from tests.helpers import running_worker, wait_settled, write_dataset
 
 STATUS_KEYS = {
     "name", "state", "prompts", "done", "failed", "skipped", "queued", "used_tokens",
     "budget_tokens", "basis", "policy", "inflight", "closed_at", "overshoot_tokens",
-    "tok_per_s", "eta_s",
+    "tok_per_s", "eta_s", "retrying", "last_error", "last_error_count",
 }
 TOTALS_KEYS = {
     "datasets", "open", "prompts", "done", "failed", "skipped", "queued", "inflight",
-    "used_tokens", "budget_tokens", "overshoot_tokens", "tok_per_s", "eta_s",
+    "used_tokens", "budget_tokens", "overshoot_tokens", "tok_per_s", "eta_s", "retrying",
 }
 SUMMED = ("prompts", "done", "failed", "skipped", "queued", "inflight", "used_tokens",
-          "budget_tokens", "overshoot_tokens")
+          "budget_tokens", "overshoot_tokens", "retrying")
 
 
 @pytest.fixture
@@ -254,3 +262,124 @@ def test_eta_and_duration_arithmetic() -> None:
     assert eta_seconds(closed=False, prompts_left=5, budget_left=10, mean=None, rate=0) is None
     assert [duration(s) for s in (None, 42, 725, 18_420, 183_600)] == [
         "", "42s", "12m 05s", "5h 07m", "2d 03h"]
+
+
+# -- what status must not hide ---------------------------------------------------------
+
+# Not the queue lengths: the flush took the messages, and SQL's prompts come back by
+# enqueue or the workers' sweep, not by status.
+COMPARED = ("state", "prompts", "done", "used_tokens", "budget_tokens", "overshoot_tokens",
+            "closed_at", "inflight")
+
+
+def test_status_on_an_emptied_redis_rebuilds_the_ledgers_from_sql(
+    env: Settings, redis_client: redis.Redis, tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    enqueue(write_dataset(tmp_path, "cl", 30), "--budget-tokens", "600")
+    enqueue(write_dataset(tmp_path, "op", 4))
+    run_until_settled(env, ["cl", "op"])
+    before = {r["name"]: r for r in status_json(capsys)["datasets"]}
+    redis_client.flushdb()  # a Redis restarted without its data, or a new database
+    capsys.readouterr()
+    assert main(["status", "--json"]) == 0
+    out, err = capsys.readouterr()
+    after = {r["name"]: r for r in json.loads(out)["datasets"]}
+    for name in ("cl", "op"):
+        sql_tokens = sum(c for c, _, _ in result_rows(env, name))
+        assert after[name]["used_tokens"] == sql_tokens > 0  # not 0 / budget
+        assert {k: after[name][k] for k in COMPARED} == {k: before[name][k] for k in COMPARED}
+    assert after["cl"]["state"] == "closed" and after["cl"]["overshoot_tokens"] > 0
+    assert "held no ledger of cl, op: rebuilt from SQL" in err
+    assert redis_client.get(STORE_ID) == Store(env.database_url).store_id.encode()
+    assert main(["status"]) == 0  # rebuilt once: the next look finds the ledgers there
+    table = capsys.readouterr().out
+    assert "rebuilt from SQL" not in table
+    assert f"{sum(r['used_tokens'] for r in before.values()):,} / " in table
+
+
+def _retrying_in_sql(env: Settings) -> int:
+    q = sa.select(sa.func.count()).where(prompts.c.state == "queued",
+                                         prompts.c.error.is_not(None))
+    with Store(env.database_url).engine.connect() as conn:
+        return int(conn.scalar(q) or 0)
+
+
+def _set_error(env: Settings, ids: list[str], error: str, at: datetime) -> None:
+    with Store(env.database_url).engine.begin() as conn:
+        conn.execute(prompts.update().where(prompts.c.sample_id.in_(ids))
+                     .values(error=error, updated_at=at))
+
+
+def test_status_shows_samples_waiting_on_an_unreachable_server(
+    env: Settings, tmp_path: Path, capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    with socket.socket() as s:  # a port nothing listens on: connections are refused
+        s.bind(("127.0.0.1", 0))
+        dead = f"http://127.0.0.1:{s.getsockname()[1]}"
+    down = env.replace(sglang_urls=(dead,))
+    for key, value in down.to_env().items():
+        monkeypatch.setenv(key, value)
+    enqueue(write_dataset(tmp_path, "un", 5))
+    with running_worker(down, concurrency=8):
+        wait_for(lambda: _retrying_in_sql(down) == 5, 60, "5 samples retried")
+        doc = status_json(capsys)
+        capsys.readouterr()
+        assert main(["status"]) == 0
+        table = capsys.readouterr().out
+    (row,) = doc["datasets"]
+    assert (row["done"], row["failed"], row["retrying"], row["last_error_count"]) == (0, 0, 5, 5)
+    assert row["last_error"] == f"{dead}: connection refused"
+    assert doc["totals"]["retrying"] == 5
+    assert "un: 5 samples waiting to be retried; last error (5 of them): " \
+           f"{dead}: connection refused" in table
+    # The newest error is the one shown, counted among the samples that hold it.
+    now = datetime.now(UTC)
+    _set_error(down, ["un-0", "un-1"], "HTTP 503: queue full", now - timedelta(hours=1))
+    row = status_json(capsys)["datasets"][0]
+    assert (row["retrying"], row["last_error"], row["last_error_count"]) == (
+        5, f"{dead}: connection refused", 3)
+    _set_error(down, ["un-0", "un-1"], "HTTP 503: queue full", now + timedelta(hours=1))
+    row = status_json(capsys)["datasets"][0]
+    assert (row["retrying"], row["last_error"], row["last_error_count"]) == (
+        5, "HTTP 503: queue full", 2)
+    # Closed, its queued prompts are dropped when met, not retried.
+    assert main(["purge", "un"]) == 0
+    row = status_json(capsys)["datasets"][0]
+    assert (row["state"], row["retrying"], row["last_error"]) == ("closed", 0, None)
+
+
+def _frames(proc: subprocess.Popen[str], wanted: int) -> list[list[str]]:
+    """Frames read from the pipe, each the lines up to a blank line, until ``wanted``."""
+    assert proc.stdout is not None
+    frames: list[list[str]] = [[]]
+    for line in proc.stdout:
+        if line.strip():
+            frames[-1].append(line.rstrip())
+        elif frames[-1] and frames[-1][-1].startswith(" total"):
+            if len(frames) == wanted:
+                break
+            frames.append([])
+    return frames
+
+
+def test_status_watch_into_a_pipe_writes_frames(env: Settings, tmp_path: Path) -> None:
+    enqueue(write_dataset(tmp_path, "wp", 3))
+    proc = subprocess.Popen([sys.executable, "-m", "ops.cli", "status", "--watch"],
+                            env={**os.environ, "NO_COLOR": "1"}, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    got: list[list[list[str]]] = []
+    reader = threading.Thread(target=lambda: got.append(_frames(proc, 2)), daemon=True)
+    reader.start()
+    reader.join(60)  # a bound on a hang, not on speed: frames come every 2 s
+    proc.terminate()
+    _, err = proc.communicate(timeout=30)
+    assert got, f"status --watch wrote no two frames into a pipe; stderr: {err}"
+    (frames,) = got
+    assert len(frames) == 2
+    for frame in frames:
+        assert frame[0].startswith("datagen status  ") and frame[0].endswith("Z")
+        assert any(line.split()[:2] == ["wp", "open"] for line in frame)
+        assert frame[-1].split()[:3] == ["total", "1", "open"]
+    assert frames[0][0] <= frames[1][0]  # each frame under its own timestamp
