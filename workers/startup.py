@@ -48,8 +48,8 @@ def short_reason(exc: BaseException) -> str:
     if not lines:
         return type(exc).__name__
     # libpq: 'connection failed: connection to server at "h", port 5432 failed: FATAL:  why'
-    why = lines[0].rsplit("failed: ", 1)[-1].removeprefix("FATAL:").strip()
-    return why or lines[0]
+    why = lines[0].rsplit("failed: ", 1)[-1].removeprefix("FATAL:").strip() or lines[0]
+    return why[:1].lower() + why[1:]
 
 
 def redis_problem(url: str) -> str | None:
