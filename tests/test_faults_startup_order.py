@@ -8,20 +8,24 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 import redis
 
 from common.audit import queued_in_redis
 from common.celery_app import make_celery
+from common.errors import ServiceUnavailable
 from common.keys import REBUILT, dataset_keys
 from common.ledger import Ledger
 from common.publish import Publisher
 from common.settings import Settings
 from common.store import Store
+from ops.localredis import free_port
 from tests.conftest import make_settings
 from tests.faultkit import PrivateRedis, Sim, Workers, wait_for
 from tests.faultkit_pg import PrivatePostgres
 from tests.helpers import assert_invariants, enqueue_paths, wait_settled, write_dataset
 from workers.recovery import rebuild_if_lost
+from workers.startup import wait_for_services
 
 DRAIN_S = 60.0
 PACED = {"decode_tok_per_s": 200, "mean_output_tokens": 60, "max_running_requests": 64}
@@ -124,3 +128,18 @@ def test_a_redis_that_kept_its_data_is_not_rebuilt(
     assert len(queued_in_redis(client, "kept")) == 5
     assert client.exists(REBUILT)
     assert rebuild_if_lost(store, client, publisher) is None  # once
+
+
+def test_the_wait_says_one_line_per_service_and_gives_up_naming_the_setting(
+    sqlite_url: str, sim: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    url = f"redis://:s3cret@127.0.0.1:{free_port()}/0"
+    settings = make_settings(sqlite_url, sim, redis_url=url, start_wait_s=1.0)
+    with caplog.at_level("WARNING", logger="datagen.worker"), \
+            pytest.raises(ServiceUnavailable) as gone:
+        wait_for_services(settings, poll_s=0.1, note_every_s=30.0)
+    lines = [r.getMessage() for r in caplog.records]
+    safe = url.replace("s3cret", "***")
+    assert lines == [f"waiting for Redis at {safe}: connection refused"]  # not one a poll
+    assert "did not answer within 1 s (connection refused)" in str(gone.value)
+    assert "DATAGEN_REDIS_URL" in str(gone.value) and "s3cret" not in str(gone.value)

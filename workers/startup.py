@@ -91,24 +91,24 @@ def wait_for_services(settings: Settings, poll_s: float = POLL_S,
     """Return once Redis and the database answer (the seconds waited); ServiceUnavailable
     after ``settings.start_wait_s``."""
     started = time.monotonic()
-    noted: dict[str, float] = {}
+    noted: dict[str, float] = {}  # service -> when its last line was written
     while True:
-        down = [(name, url, env, why) for name, url, env, probe in services(settings)
-                if (why := probe(url)) is not None]
+        down = {name: (url, env, why) for name, url, env, probe in services(settings)
+                if (why := probe(url)) is not None}
         now = time.monotonic()
         for name, url, _env, _probe in services(settings):
-            if name in noted and all(d[0] != name for d in down):
+            if name in noted and name not in down:
                 log.warning("%s at %s answers", name, safe_url(url))
                 del noted[name]
         if not down:
             return now - started
         if now - started >= settings.start_wait_s:
-            name, url, env, why = down[0]
+            name, (url, env, why) = next(iter(down.items()))
             raise ServiceUnavailable(
                 f"{name} at {safe_url(url)} did not answer within {settings.start_wait_s:.0f} s "
                 f"({why}); start it or set {env}")
-        for name, url, _env, why in down:
-            if now - noted.get(name, -note_every_s) >= note_every_s:
+        for name, (url, _env, why) in down.items():
+            if now - noted.get(name, now - note_every_s) >= note_every_s:
                 log.warning("waiting for %s at %s: %s", name, safe_url(url), why)
                 noted[name] = now
         time.sleep(poll_s)
