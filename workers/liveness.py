@@ -227,9 +227,8 @@ class Heartbeat:
             try:
                 if not self._still_paired():
                     return
-                ctx = get_context(self.app)
-                recover(ctx.store, self.client, Publisher(self.app))
                 self.client.zadd(WORKERS, {self.worker: time.time()})
+                recover(get_context(self.app).store, self.client, Publisher(self.app))
                 tags = self.received.drain()
                 if tags:
                     self.client.sadd(worker_tags(self.worker), *tags)
