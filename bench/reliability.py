@@ -69,7 +69,8 @@ closed by their budget keep their remaining prompts `queued`, by design.
    start, or kombu's `'NoneType' object has no attribute 'hostname'` while restoring unacked
    messages on a Redis reconnect, seen now and then on an empty Redis restart:
    `worker_exits`), so a supervisor that restarts only on failure left it down. It now
-   exits 1 (`test_the_worker_exits_non_zero_when_the_database_does_not_answer`).
+   exits 1, or 3 when Redis or the database did not answer within `DATAGEN_START_WAIT_S`
+   (`test_the_worker_exits_non_zero_when_the_database_does_not_answer`).
 4. Fixed: a bad `budget_tokens`, `policy` or `basis` in a manifest was reported without the
    manifest and dataset it came from (`test_bad_terms_in_a_manifest_name_where_they_are`).
 5. Fixed: a worker SIGKILLed mid-request left its admission reservations in the ledger
@@ -83,6 +84,13 @@ closed by their budget keep their remaining prompts `queued`, by design.
    after one 4 s outage at the quick scale. A task now holds its message and sends the
    retry again until Redis answers
    (`test_tasks_whose_retry_cannot_be_sent_while_redis_is_away_are_not_delayed`).
+7. Fixed: a worker started before Redis logged a 60-line traceback per try, and once a
+   Redis that had lost its data came up it neither rebuilt the ledgers nor enqueued the
+   prompts SQL held as queued: they waited for an enqueue re-run or the 5-10 min sweep. A
+   worker now waits for Redis and the database with one line per service, and the first
+   worker to find a Redis without its data (at its start or at a heartbeat) rebuilds it
+   at once (`test_a_worker_started_before_an_empty_redis_drains_what_sql_holds_queued`,
+   `test_redis_restarted_empty_under_a_running_worker_is_rebuilt_at_once`).
 """
 
 

@@ -31,6 +31,10 @@ No other module spells a key string; tests import these functions too.
     datagen:reaper                        string  the worker reaping dead ones    20 s
     datagen:sweeper                       string  the worker re-enqueueing lost    5 min
                                                   prompts (SQL queued, not in Redis)
+    datagen:rebuilt                       string  the worker that rebuilt this     none
+                                                  Redis from SQL: when (unix s);
+                                                  absent = Redis lost its data
+    datagen:rebuilding                    string  the worker rebuilding it now     2 min
     datagen.q.{name} (+ kombu's \\x06\\x16{3,6,9} priority lists)
                                           list    kombu (Celery's Redis transport)
     unacked                               hash    kombu: delivery tag -> message  none
@@ -52,6 +56,10 @@ DATASETS = f"{PREFIX}:datasets"
 WORKERS = f"{PREFIX}:workers"
 REAPER_LOCK = f"{PREFIX}:reaper"
 SWEEPER_LOCK = f"{PREFIX}:sweeper"
+# Written once a worker has rebuilt every ledger and queue from SQL: a Redis that comes
+# back without it lost its data, and the first worker to see that rebuilds it at once.
+REBUILT = f"{PREFIX}:rebuilt"
+REBUILD_LOCK = f"{PREFIX}:rebuilding"
 QUEUE_PREFIX = f"{PREFIX}.q."
 
 # kombu's Redis transport keeps one list per priority step: the bare queue name for

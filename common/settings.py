@@ -57,6 +57,9 @@ class Settings:
     # lost its data, or a worker killed between kombu's BRPOP of a message and its record).
     sweep_s: float = 300.0
     sweep_quiet_s: float = 300.0
+    # A worker started before Redis or the database waits this long for them (one line per
+    # service every few seconds), then exits 3 for its supervisor to start it again.
+    start_wait_s: float = 600.0
     sglang_api_key: str = field(default="", repr=False)
 
     def __post_init__(self) -> None:

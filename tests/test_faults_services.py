@@ -65,8 +65,9 @@ def _stack(tmp: Path, db: str, redis_server: PrivateRedis, sim: Sim,
     return Stack(settings, tmp, sim, redis=redis_server, **kw)  # type: ignore[arg-type]
 
 
-def _loss(tmp: Path, private_redis: PrivateRedis, recover: str) -> tuple[Outcome, Stack]:
-    with Sim(tmp / "sim.jsonl", **PACED) as sim:
+def _loss(tmp: Path, private_redis: PrivateRedis, recover: str,
+          pace: dict[str, int] = PACED) -> tuple[Outcome, Stack]:
+    with Sim(tmp / "sim.jsonl", **pace) as sim:
         stack = _stack(tmp, f"sqlite:///{tmp / 'db.sqlite'}", private_redis, sim)
         return redis_loss(stack, per_dataset=100, losses=2, recover=recover), stack
 
@@ -102,7 +103,10 @@ def test_worker_sigkills_over_tls_lose_nothing(tmp_path: Path) -> None:
 def test_redis_restart_with_total_data_loss_then_enqueue_rerun(
     private_redis: PrivateRedis, tmp_path: Path
 ) -> None:
-    out, stack = _loss(tmp_path, private_redis, "enqueue")
+    # The workers rebuild a Redis that lost its data on their own, at once; the re-run, a
+    # process of its own, ends seconds later. A slower pace leaves the second loss work
+    # to hit when it comes.
+    out, stack = _loss(tmp_path, private_redis, "enqueue", {**PACED, "decode_tok_per_s": 50})
     out.check.assert_ok()
     assert len(out.faults) == 2 and all("enqueue" in f for f in out.faults)
     assert out.check.states["done"] == 200 + stack.store.prompt_counts("rl_cap")["done"]

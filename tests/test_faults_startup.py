@@ -64,7 +64,7 @@ def test_a_redis_that_does_not_answer_exits_3(
 def test_the_worker_exits_non_zero_when_the_database_does_not_answer(
     env: Settings, tmp_path: Path
 ) -> None:
-    settings = env.replace(database_url=DEAD_DB)
+    settings = env.replace(database_url=DEAD_DB, start_wait_s=2.0)
     with Workers(settings, tmp_path / "worker.log") as workers:
         proc = workers.start("nodb", 2)
         proc.wait(60)
@@ -78,7 +78,7 @@ def test_the_worker_waits_for_redis_then_works(sqlite_url: str, sim: str, tmp_pa
     try:
         with Workers(settings, tmp_path / "worker.log") as workers:
             proc = workers.start("early", 4)
-            wait_for(lambda: "Cannot connect to redis://" in workers.text(), 30,
+            wait_for(lambda: f"waiting for Redis at {server.url}" in workers.text(), 30,
                      "the worker to say Redis does not answer")
             assert proc.poll() is None  # waiting, not gone
             server.start()

@@ -16,15 +16,24 @@ from celery import Celery, signals
 from celery.exceptions import CPendingDeprecationWarning
 
 from common.celery_app import make_celery
-from common.errors import StoreMismatch
+from common.db import UNAVAILABLE
+from common.errors import ServiceUnavailable, StoreMismatch
+from common.publish import Publisher
 from common.reconcile import reconcile_all
 from common.settings import Settings
 from workers.context import get_context
 from workers.liveness import Heartbeat, Received
 from workers.queues import DatasetQueues
+from workers.recovery import recover
+from workers.startup import short_reason, wait_for_services, watch_sglang
 from workers.tasks import register_tasks
 
 log = logging.getLogger("datagen.worker")
+# The exit status of a worker whose Redis or database did not answer in start_wait_s, as
+# of every datagen command that meets a service down.
+EXIT_UNAVAILABLE = 3
+# A service that stopped answering: nothing about the data is known to be wrong.
+_GONE: tuple[type[Exception], ...] = (redis.RedisError, ServiceUnavailable, *UNAVAILABLE)
 
 
 def create_app(settings: Settings) -> Celery:
@@ -38,15 +47,23 @@ def create_app(settings: Settings) -> Celery:
 
 
 def prepare(app: Celery) -> None:
-    """Before consuming: rebuild the ledger from SQL, give PostgreSQL's planner statistics
-    on the prompts if it has none, and say which servers are down."""
+    """Before consuming: rebuild the ledger from SQL (and the queues, if Redis lost its
+    data), give PostgreSQL's planner statistics on the prompts if it has none, and say
+    which servers are down."""
     ctx = get_context(app)
     try:
         reconciled = reconcile_all(ctx.store, ctx.ledger)
+        recover(ctx.store, ctx.ledger.redis, Publisher(app))
     except StoreMismatch as exc:
         # Logged plainly, without a traceback: an error raised in this signal would only
         # be logged too. The consumer's start refuses the same Redis and ends the worker.
         log.error("%s", exc)
+        return
+    except _GONE as exc:
+        # A service that went away again since it answered: the heartbeat rebuilds what
+        # this could not once it is back.
+        log.error("rebuilding from SQL at start failed (%s); the heartbeat tries again",
+                  short_reason(exc))
         return
     for r in reconciled:
         if r.tokens_added or r.closed_now:
@@ -54,8 +71,11 @@ def prepare(app: Celery) -> None:
                      r.closed_now)
     if ctx.store.ensure_statistics():
         log.info("gathered the planner's statistics on the prompt tables, which had none")
-    for problem in ctx.client.check_servers():
+    problems = ctx.client.check_servers()
+    for problem in problems:
         log.warning("SGLang server not answering at start: %s", problem)
+    if problems:
+        watch_sglang(ctx.client.check_servers)
 
 
 def _ours(app: Any) -> bool:
@@ -89,6 +109,13 @@ def _prepare_on_start(sender: Any = None, **_: Any) -> None:
             # the threads this worker really runs (workers/context.py).
             conf = sender.app.datagen_settings
             sender.app.datagen_settings = conf.replace(concurrency=threads)
+        try:
+            wait_for_services(sender.app.datagen_settings)
+        except ServiceUnavailable as exc:
+            log.error("%s", exc)
+            # SystemExit passes through Celery's signal dispatch, which logs any Exception
+            # with its traceback and goes on starting.
+            raise SystemExit(EXIT_UNAVAILABLE) from None
         prepare(sender.app)
 
 

@@ -11,7 +11,9 @@ declared dead (a long pause) only causes duplicates, which the ledger and SQL ab
 
 kombu records a message as unacked in a second round trip after its BRPOP, so a worker
 killed in between leaves nothing in Redis for the reaper: the SQL sweep, run by one worker
-every ``sweep_s``, publishes such a prompt again (``common.audit.requeue_lost``).
+every ``sweep_s``, publishes such a prompt again (``common.audit.requeue_lost``). A
+Redis that lost all its data is rebuilt at the first heartbeat that finds it so
+(workers/recovery.py), not at the next sweep.
 """
 
 from __future__ import annotations
@@ -45,8 +47,11 @@ from common.publish import Publisher
 from common.replies import texts
 from common.settings import Settings
 from workers.context import get_context
+from workers.recovery import recover
+from workers.startup import short_reason
 
 log = logging.getLogger(__name__)
+AWAY_NOTE_S = 15.0
 _stopping = threading.Lock()  # held once a stop is asked for
 
 
@@ -203,6 +208,7 @@ class Heartbeat:
         self.sweep_s, self.sweep_quiet_s = sweep_s, sweep_quiet_s
         self._next_sweep = time.monotonic() + sweep_s
         self._suspects: dict[tuple[str, str], float] = {}
+        self._away_noted = -AWAY_NOTE_S
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True, name="datagen-heartbeat")
 
@@ -222,6 +228,7 @@ class Heartbeat:
                 if not self._still_paired():
                     return
                 self.client.zadd(WORKERS, {self.worker: time.time()})
+                recover(get_context(self.app).store, self.client, Publisher(self.app))
                 tags = self.received.drain()
                 if tags:
                     self.client.sadd(worker_tags(self.worker), *tags)
@@ -230,11 +237,22 @@ class Heartbeat:
                 restored = reap(self.app, self.client, self.dead_after_s, self._suspects)
                 if restored:
                     log.info("reaper: %d messages returned to their queues", restored)
+            except (redis.ConnectionError, redis.TimeoutError) as exc:
+                self._note_away(exc)
             except Exception:
                 log.exception("heartbeat failed; trying again")
             self._maybe_sweep()
             if self._stop.wait(self.interval_s):
                 return
+
+    def _note_away(self, exc: Exception) -> None:
+        """One line, not a traceback, every ``AWAY_NOTE_S`` while Redis does not answer:
+        Celery's consumer says the same, and the tasks wait for it."""
+        now = time.monotonic()
+        if now - self._away_noted >= AWAY_NOTE_S:
+            self._away_noted = now
+            log.warning("heartbeat: Redis does not answer (%s); trying again every %.0f s",
+                        short_reason(exc), self.interval_s)
 
     def _still_paired(self) -> bool:
         """Pair a Redis that lost everything again within a beat; stop this worker if it

@@ -1,8 +1,8 @@
 """Keep a worker consuming every dataset's queue, including datasets added after it started.
 
-At start the worker consumes the queues of every known dataset. A background thread then
-watches for new datasets and asks this worker (and only it) to add their queues through a
-control message, so the consumer changes in its own thread, never from ours.
+At start the worker consumes the queues of every dataset SQL or Redis knows. A background
+thread then watches for new datasets and asks this worker (and only it) to add their queues
+through a control message, so the consumer changes in its own thread, never from ours.
 """
 
 from __future__ import annotations
@@ -39,7 +39,8 @@ class DatasetQueues(bootsteps.StartStopStep):
         pair(ctx.store, ctx.ledger)
         led = ctx.ledger
         consuming = {q.name for q in c.task_consumer.queues}
-        for name in led.known():
+        # SQL's datasets too: a Redis that lost its data knows none until it is rebuilt.
+        for name in sorted(set(led.known()) | set(ctx.store.dataset_names())):
             if queue_name(name) not in consuming:
                 c.add_task_queue(queue_name(name))
         self._stop.clear()
