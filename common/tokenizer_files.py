@@ -34,9 +34,8 @@ def code_class(folder: Path) -> str | None:
 
 def _refuse_code(name: str, code: str) -> ConfigError:
     return ConfigError(
-        f"tokenizer {name!r} is Python code ({code}): loading it runs that code. Pass "
-        f"{_REMOTE_CODE_FLAG} to every datagen command that loads this tokenizer if you "
-        "trust it")
+        f"tokenizer {name!r} has its class in Python code ({code}), and loading it runs "
+        f"that code: pass {_REMOTE_CODE_FLAG} if you trust it")
 
 
 def load_tokenizer(name: str, trust_remote_code: bool = False) -> Any:
@@ -69,7 +68,7 @@ def load_tokenizer(name: str, trust_remote_code: bool = False) -> Any:
         return AutoTokenizer.from_pretrained(name, trust_remote_code=trust_remote_code)
     except Exception as exc:
         if not trust_remote_code and "trust_remote_code" in str(exc):
-            raise _refuse_code(name, "custom code in the model repository") from exc
+            raise _refuse_code(name, "in the model's repository") from exc
         raise ConfigError(
             f"tokenizer {name!r} not found: not a local directory and could not be loaded "
             f"as a model id ({type(exc).__name__}: {exc})"
