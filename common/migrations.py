@@ -1,9 +1,11 @@
 """Upgrades of a database written by an earlier version, run once, on first use.
 
-One so far: prompts' messages and token ids move to ``prompt_inputs`` (common/schema.py
-says why). Every process that opens the database checks; the first to find the old
-layout moves the columns under the database's write lock, in one transaction, and the
-others, waiting on that lock, find it done. A crash halfway leaves the old layout.
+Two so far: prompts' messages and token ids move to ``prompt_inputs`` (common/schema.py
+says why), and ``prompt_inputs`` gets the columns added since (``ADDED_INPUT_COLUMNS``,
+nullable: rows written before hold NULL there). Every process that opens the database
+checks; the first to find an old layout upgrades it under the database's write lock, in
+one transaction, and the others, waiting on that lock, find it done. A crash halfway
+leaves the old layout.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from typing import Any
 import sqlalchemy as sa
 
 from common.errors import ConfigError, DatagenError
-from common.schema import INPUT_COLUMNS
+from common.schema import ADDED_INPUT_COLUMNS, INPUT_COLUMNS, prompt_inputs
 
 log = logging.getLogger("datagen.migrations")
 
@@ -26,13 +28,27 @@ _COPY = (f"INSERT INTO prompt_inputs (dataset, sample_id, {_MOVE}) "
 _DROPS = tuple(f"ALTER TABLE prompts DROP COLUMN {c}" for c in INPUT_COLUMNS)
 
 
-def _has_old_layout(cursor: Any, dialect: str) -> bool:
+def _columns(cursor: Any, dialect: str, table: str) -> set[str]:
     if dialect == "sqlite":
-        cursor.execute("SELECT name FROM pragma_table_info('prompts')")
+        cursor.execute(f"SELECT name FROM pragma_table_info('{table}')")
     else:
         cursor.execute("SELECT column_name FROM information_schema.columns "
-                       "WHERE table_schema = current_schema() AND table_name = 'prompts'")
-    return bool(set(INPUT_COLUMNS) & {row[0] for row in cursor.fetchall()})
+                       "WHERE table_schema = current_schema() AND table_name = %s", (table,))
+    return {row[0] for row in cursor.fetchall()}
+
+
+def _has_old_layout(cursor: Any, dialect: str) -> bool:
+    return bool(set(INPUT_COLUMNS) & _columns(cursor, dialect, "prompts"))
+
+
+def _missing_columns(cursor: Any, dialect: str) -> list[str]:
+    """Columns added to prompt_inputs since it was created that it lacks."""
+    have = _columns(cursor, dialect, "prompt_inputs")
+    return [c for c in ADDED_INPUT_COLUMNS if c not in have]
+
+
+def _needs_upgrade(cursor: Any, dialect: str) -> bool:
+    return _has_old_layout(cursor, dialect) or bool(_missing_columns(cursor, dialect))
 
 
 def _move(cursor: Any, url: str) -> None:
@@ -43,11 +59,23 @@ def _move(cursor: Any, url: str) -> None:
         cursor.execute(drop)
 
 
-def _sqlite(raw: Any, url: str) -> None:
-    if sqlite3.sqlite_version_info < (3, 35):
-        raise ConfigError(
-            f"{url} was written by an earlier datagen and needs SQLite 3.35 or newer to be "
-            f"upgraded (ALTER TABLE DROP COLUMN); this Python has {sqlite3.sqlite_version}")
+def _apply(cursor: Any, dialect: Any, url: str) -> None:
+    """Every upgrade the database lacks, on a cursor holding its write lock."""
+    if _has_old_layout(cursor, dialect.name):
+        if dialect.name == "sqlite" and sqlite3.sqlite_version_info < (3, 35):
+            raise ConfigError(
+                f"{url} was written by an earlier datagen and needs SQLite 3.35 or newer to "
+                f"be upgraded (ALTER TABLE DROP COLUMN); this Python has "
+                f"{sqlite3.sqlite_version}")
+        _move(cursor, url)
+    for name in _missing_columns(cursor, dialect.name):
+        log.warning("%s: adding column %s to the prompt_inputs table, once (a database "
+                    "written by an earlier datagen)", url, name)
+        kind = prompt_inputs.c[name].type.compile(dialect=dialect)
+        cursor.execute(f"ALTER TABLE prompt_inputs ADD COLUMN {name} {kind}")
+
+
+def _sqlite(raw: Any, url: str, dialect: Any) -> None:
     # BEGIN IMMEDIATE takes the write lock before the check, so two processes cannot both
     # find the old layout; the driver's own transaction would begin only at the INSERT.
     level, raw.isolation_level = raw.isolation_level, None
@@ -55,8 +83,7 @@ def _sqlite(raw: Any, url: str) -> None:
     try:
         cursor.execute("BEGIN IMMEDIATE")
         try:
-            if _has_old_layout(cursor, "sqlite"):
-                _move(cursor, url)
+            _apply(cursor, dialect, url)
             cursor.execute("COMMIT")
         except BaseException:
             cursor.execute("ROLLBACK")
@@ -66,13 +93,12 @@ def _sqlite(raw: Any, url: str) -> None:
         raw.isolation_level = level
 
 
-def _postgresql(raw: Any, url: str) -> None:
+def _postgresql(raw: Any, url: str, dialect: Any) -> None:
     try:
         with raw.cursor() as cursor:
             # Waits for every transaction on prompts to end, then holds off the others.
             cursor.execute("LOCK TABLE prompts IN ACCESS EXCLUSIVE MODE")
-            if _has_old_layout(cursor, "postgresql"):
-                _move(cursor, url)
+            _apply(cursor, dialect, url)
         raw.commit()
     except BaseException:
         raw.rollback()
@@ -90,14 +116,14 @@ def raw_errors(dialect: str) -> type[Exception]:
 
 def upgrade(engine: sa.Engine) -> None:
     """Bring a database written by an earlier version to the current schema; returns at
-    once if it is current, after one look at prompts' columns."""
+    once if it is current, after one look at prompts' and prompt_inputs' columns."""
     dialect = engine.dialect.name
     pooled = engine.raw_connection()
     try:
         raw: Any = pooled.driver_connection
         cursor = raw.cursor()
         try:
-            old = _has_old_layout(cursor, dialect)
+            old = _needs_upgrade(cursor, dialect)
         finally:
             cursor.close()
         if dialect == "postgresql":
@@ -105,7 +131,7 @@ def upgrade(engine: sa.Engine) -> None:
         if old:
             url = engine.url.render_as_string(hide_password=True)
             try:
-                (_sqlite if dialect == "sqlite" else _postgresql)(raw, url)
+                (_sqlite if dialect == "sqlite" else _postgresql)(raw, url, engine.dialect)
             except raw_errors(dialect) as exc:
                 raise DatagenError(f"{url}: upgrading the schema failed and nothing was "
                                    f"changed (one transaction): {exc}") from exc

@@ -23,6 +23,7 @@ class NewPrompt:
     messages: list[dict[str, Any]]
     input_ids: list[int]
     error: str | None = None
+    tools: list[dict[str, Any]] | None = None  # the line's function schemas, as read
 
 
 @dataclass(frozen=True)

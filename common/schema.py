@@ -6,7 +6,7 @@ Tables:
   datasets  one row per dataset: its budget terms, sampling, tokenizer, and its close.
   prompts   one row per (dataset, sample_id): its state (queued, done, failed, skipped),
             attempts and last error, its length and token allowance.
-  prompt_inputs  one row per prompt, written once: its messages and templated token ids.
+  prompt_inputs  one row per prompt, written once: its messages, tools and templated ids.
             Apart from prompts so that marking a prompt done rewrites a row of a few dozen
             bytes: SQLite rewrites a row's whole record to change one column, and with the
             ids inside, a prompt of 1,300 tokens wrote 12.7 KiB to the WAL to be marked done
@@ -88,11 +88,17 @@ prompt_inputs = sa.Table(
     sa.Column("sample_id", sa.String(200), primary_key=True),
     sa.Column("messages", sa.JSON, nullable=False),
     sa.Column("input_ids", TokenIds, nullable=False),
+    # The line's function schemas as read (OpenAI's), passed to the chat template with its
+    # messages; NULL for a line without tools.
+    sa.Column("tools", sa.JSON(none_as_null=True)),
 )
 
 # The columns prompt_inputs took out of prompts: a database written before has them in
 # prompts, and common/migrations.py moves them on first use.
 INPUT_COLUMNS = ("messages", "input_ids")
+# The columns added to prompt_inputs since it was first created, nullable; an existing
+# database gets them from common/migrations.py on first use.
+ADDED_INPUT_COLUMNS = ("tools",)
 
 results = sa.Table(
     "results",

@@ -36,6 +36,9 @@ class Settings:
     database_url: str = "sqlite:///datagen.db"
     sglang_urls: tuple[str, ...] = ("http://127.0.0.1:30000",)
     tokenizer: str = ""
+    # Load a tokenizer whose class is Python code beside its files (Kimi K2's): that runs
+    # the code, so only when asked.
+    trust_remote_code: bool = False
     # A non-streaming /generate sends nothing until the sample is complete, so the read
     # timeout is the hard upper bound of one request, and of one task.
     request_timeout_s: float = 1800.0

@@ -22,6 +22,9 @@ def _add_enqueue(sub: argparse._SubParsersAction) -> None:
     p.add_argument("paths", nargs="*", help="JSONL files or folders of *.jsonl")
     p.add_argument("--manifest", help="TOML file: per dataset its files, budget, policy, ...")
     p.add_argument("--tokenizer", help="tokenizer directory or model id (DATAGEN_TOKENIZER)")
+    p.add_argument("--trust-remote-code", action="store_true", default=None,
+                   help="load a tokenizer whose class is Python code in its folder, which "
+                        "runs that code (DATAGEN_TRUST_REMOTE_CODE)")
     p.add_argument("--max-seq-len", type=int, default=32768)
     p.add_argument("--max-new-tokens", type=int, default=16384)
     p.add_argument("--temperature", type=float)

@@ -15,6 +15,7 @@ from typing import Any, Protocol
 
 from common.errors import ConfigError
 from common.store import DatasetRow
+from common.tokenizer_files import code_class
 from ops.export_rows import ExportRow
 from ops.specforge_check import row_error
 from producer.template import _REASONING_MARKERS  # the one opener -> closer table
@@ -38,14 +39,16 @@ REASONS = {
 
 
 def _prompt_turn(message: dict[str, Any]) -> dict[str, Any]:
-    """A prompt turn as SpecForge wants it; earlier assistant turns carry no reasoning.
+    """A prompt turn as SpecForge wants it, with every field the prompt was rendered with
+    (tool calls, a tool reply's call id and name) after role and content.
 
-    Chat templates of reasoning models drop the reasoning of earlier turns, and SpecForge's
-    checker wants ``reasoning_content`` to be a string on every assistant turn, so a
-    multi-turn prompt (an agent trace, say) gets ``""`` there rather than being left out.
+    SpecForge's checker wants ``reasoning_content`` to be a string on every assistant
+    turn, so an earlier assistant turn read without one (chat templates of reasoning models
+    mostly drop the reasoning of earlier turns) gets ``""`` there rather than being left out.
     """
     turn = {"role": message.get("role"), "content": message.get("content")}
-    if turn["role"] == "assistant":
+    turn.update((k, v) for k, v in message.items() if k not in turn)
+    if turn["role"] == "assistant" and turn.get("reasoning_content") is None:
         turn["reasoning_content"] = ""
     return turn
 
@@ -109,6 +112,8 @@ class SpecForgeBuilder:
         turns = [_prompt_turn(m) for m in row.messages]
         turns.append({"role": "assistant", "content": answer, "reasoning_content": reasoning})
         record = {"id": row.sample_id, "status": "success", "conversations": turns}
+        if row.tools is not None:
+            record["tools"] = row.tools
         error = row_error(record, **self.flags)
         if error is None:
             return record
@@ -121,7 +126,9 @@ def _prompt_decoder(ds: DatasetRow) -> tuple[Any, str]:
     what the ``text`` field holds with it."""
     path = Path(ds.tokenizer) / "tokenizer.json"
     if not path.is_file():
-        return None, f"omitted: no {path} to decode the prompt ids with"
+        code = code_class(Path(ds.tokenizer))
+        why = f"; its tokenizer is Python code ({code}), which export does not run" if code else ""
+        return None, f"omitted: no {path} to decode the prompt ids with{why}"
     from tokenizers import Tokenizer
 
     try:

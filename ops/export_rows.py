@@ -46,6 +46,7 @@ class ExportRow:
     messages: list[dict[str, Any]] | None
     input_ids: list[int] | None
     max_new_tokens: int | None
+    tools: list[dict[str, Any]] | None = None  # the prompt's function schemas, if any
 
 
 RESULT_COLUMNS: tuple[str, ...] = tuple(c.name for c in results.columns)
@@ -58,6 +59,7 @@ def _select() -> sa.Select[Any]:
         prompt_inputs.c.messages,
         prompt_inputs.c.input_ids,
         prompts.c.max_new_tokens,
+        prompt_inputs.c.tools,
     ).select_from(
         results.outerjoin(
             prompt_inputs,

@@ -62,7 +62,8 @@ def build_plans(args: argparse.Namespace, settings: Settings) -> list[DatasetPla
 def run_enqueue(args: argparse.Namespace, settings: Settings) -> int:
     plans = build_plans(args, settings)
     tokenizer = args.tokenizer or settings.tokenizer or str(BUNDLED_TOKENIZER)
-    templater = ChatTemplater(tokenizer, _template_kwargs(args.chat_template_kwargs))
+    trust = bool(args.trust_remote_code or settings.trust_remote_code)
+    templater = ChatTemplater(tokenizer, _template_kwargs(args.chat_template_kwargs), trust)
     store, ledger = connect(settings)
     app = make_celery(settings)
     total = sum(count_lines(f) for p in plans for f in p.files)

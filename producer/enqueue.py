@@ -165,10 +165,10 @@ class Enqueuer:
         records = read_dataset(plan.name, plan.files, report)
         chunks = iter(lambda: list(itertools.islice(records, CHUNK)), [])
         for chunk in chunks:
-            fresh = [r for r in chunk if r.sample_id not in states]
             # Rendered here, so the tokenizing thread only runs Rust (without the GIL) and
             # the next chunk renders while this one is tokenized.
-            texts = [self.templater.render(r.messages) for r in fresh]
+            fresh, texts = self._render([r for r in chunk if r.sample_id not in states],
+                                        report)
             encoded = self._tokenizing.submit(self.templater.tokenize, texts)
             lost = self._settle(chunk, states, in_redis, summary)
             self._written.append(self._writing.submit(
@@ -178,6 +178,22 @@ class Enqueuer:
             yield True
         summary.read, summary.bad, summary.duplicates = report.read, report.bad, report.duplicates
         summary.problems = list(report.problems)
+
+    def _render(
+        self, records: list[PromptRecord], report: ReadReport
+    ) -> tuple[list[PromptRecord], list[str]]:
+        """The records the chat template renders, with their texts; a line it refuses (a
+        role or a tool call it does not take) is a bad line, like one the reader refuses."""
+        kept, texts = [], []
+        for record in records:
+            try:
+                texts.append(self.templater.render(record.messages, record.tools))
+            except Exception as exc:  # Jinja's errors, or raise_exception in the template
+                report.bad += 1
+                report.problem(f"{record.source}: the chat template cannot render it: {exc}")
+                continue
+            kept.append(record)
+        return kept, texts
 
     def _collect(self, keep: int, keep_sending: int) -> None:
         """Wait for written chunks until at most ``keep`` are pending, and for sent ones
@@ -269,5 +285,6 @@ class Enqueuer:
                 max_new_tokens=max(0, min(plan.max_new_tokens, room)),
                 source=record.source,
                 error=error,
+                tools=record.tools,
             ))
         return rows

@@ -3,7 +3,9 @@
 Prompt files come from many places (chat exports, ShareGPT dumps, agent traces), so a bad
 line is counted and reported as ``file:line: reason`` and never stops the rest of the
 file. Each line's trailing assistant turns are dropped: that answer is what the target
-model regenerates.
+model regenerates. Every field a chat template reads is kept as read (a line's ``tools``, an
+assistant's ``tool_calls`` and ``reasoning_content``, a tool reply's ``tool_call_id`` and
+``name``; producer/tools.py checks their shapes), so the prompt rendered is the one written.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from typing import Any, BinaryIO
 
 from common.errors import InputError
 from common.names import validate_dataset_name
+from producer.tools import BadShape, Message, check_tool_replies, tool_calls, tools_list
 
 MAX_LINE_BYTES = 16 * 1024 * 1024
 MAX_PROBLEMS = 1000
@@ -33,12 +36,21 @@ _ROLES = {
 }
 
 
+# The fields other than role and content a turn keeps, by role (tool_calls: see
+# producer/tools.py).
+_EXTRA_FIELDS: dict[str, tuple[str, ...]] = {
+    "assistant": ("reasoning_content",),
+    "tool": ("tool_call_id", "name"),
+}
+
+
 @dataclass(frozen=True)
 class PromptRecord:
     dataset: str
     sample_id: str
-    messages: tuple[dict[str, str], ...]
+    messages: tuple[Message, ...]
     source: str  # "file:line"
+    tools: list[dict[str, Any]] | None = None  # the line's function schemas, as read
 
 
 @dataclass
@@ -60,8 +72,8 @@ class ReadReport:
             self.problems_omitted += 1
 
 
-class _BadLine(Exception):
-    """One line cannot be used; the message is the reason shown after ``file:line:``."""
+# One line cannot be used; the message is the reason shown after ``file:line:``.
+_BadLine = BadShape
 
 
 def discover(paths: Sequence[str | Path]) -> dict[str, list[Path]]:
@@ -159,7 +171,8 @@ def _record(dataset: str, line: bytes | int, source: str, first_line: bool) -> P
         raise _BadLine(f"line is {line} bytes, over the 16 MiB limit")
     obj = _parse(line, first_line)
     messages = _prompt_messages(obj)
-    return PromptRecord(dataset, _sample_id(obj, messages), messages, source)
+    tools = tools_list(obj.get("tools"))
+    return PromptRecord(dataset, _sample_id(obj, messages, tools), messages, source, tools)
 
 
 def _parse(line: bytes, first_line: bool) -> dict[str, Any]:
@@ -178,7 +191,7 @@ def _parse(line: bytes, first_line: bool) -> dict[str, Any]:
     return obj
 
 
-def _prompt_messages(obj: dict[str, Any]) -> tuple[dict[str, str], ...]:
+def _prompt_messages(obj: dict[str, Any]) -> tuple[Message, ...]:
     turns = obj.get("messages") if "messages" in obj else obj.get("conversations")
     if not isinstance(turns, list) or not turns:
         raise _BadLine("no 'messages' or 'conversations' list, or it is empty")
@@ -187,18 +200,44 @@ def _prompt_messages(obj: dict[str, Any]) -> tuple[dict[str, str], ...]:
         messages.pop()
     if not any(m["role"] == "user" for m in messages):
         raise _BadLine("no user turn")
+    check_tool_replies(messages)
     return tuple(messages)
 
 
-def _message(turn: Any, n: int) -> dict[str, str]:
+def _message(turn: Any, n: int) -> Message:
     if not isinstance(turn, dict):
         raise _BadLine(f"turn {n} is not an object")
     raw_role = turn["role"] if "role" in turn else turn.get("from")
     role = _ROLES.get(raw_role) if isinstance(raw_role, str) else None
     if role is None:
         raise _BadLine(f"unknown role {raw_role!r} in turn {n}")
-    content = turn["content"] if "content" in turn else turn.get("value")
-    return {"role": role, "content": _text(content, n)}
+    key = "content" if "content" in turn else "value"
+    calls = turn.get("tool_calls")
+    if calls is not None and role != "assistant":
+        raise _BadLine(f"turn {n} is a {role} turn with tool_calls (only assistant turns "
+                       "call tools)")
+    message: Message = {"role": role}
+    if calls and turn.get(key) is None:
+        if key in turn:  # a tool-calling turn's null content is kept as read
+            message["content"] = None
+    else:
+        message["content"] = _text(turn.get(key), n)
+    if calls is not None:
+        message["tool_calls"] = tool_calls(calls, n)
+    _extra_fields(turn, role, n, message)
+    return message
+
+
+def _extra_fields(turn: dict[str, Any], role: str, n: int, message: Message) -> None:
+    """The other fields chat templates read, kept as read: an assistant's reasoning, and
+    a tool reply's call id and function name."""
+    for name in _EXTRA_FIELDS.get(role, ()):
+        value = turn.get(name)
+        if value is None:
+            continue
+        if not isinstance(value, str):
+            raise _BadLine(f"{name} of turn {n} is not a string (got {type(value).__name__})")
+        message[name] = value
 
 
 def _text(content: Any, n: int) -> str:
@@ -217,10 +256,12 @@ def _text_part(part: Any, n: int) -> str:
     raise _BadLine(f"content of turn {n} has a non-text part ({kind!r})")
 
 
-def _sample_id(obj: dict[str, Any], messages: tuple[dict[str, str], ...]) -> str:
+def _sample_id(
+    obj: dict[str, Any], messages: tuple[Message, ...], tools: list[dict[str, Any]] | None
+) -> str:
     raw = obj.get("id")
     if raw is None:
-        return message_hash(messages)
+        return message_hash(messages, tools)
     if isinstance(raw, bool) or not isinstance(raw, str | int):
         raise _BadLine(f"'id' must be a string or an integer (got {type(raw).__name__})")
     sample_id = str(raw)
@@ -229,10 +270,13 @@ def _sample_id(obj: dict[str, Any], messages: tuple[dict[str, str], ...]) -> str
     return sample_id
 
 
-def message_hash(messages: Sequence[dict[str, str]]) -> str:
+def message_hash(
+    messages: Sequence[Message], tools: Sequence[dict[str, Any]] | None = None
+) -> str:
     """Stable id of a line without one: the same prompt always gets the same id, so a
-    re-run resumes it and a repeated prompt counts as a duplicate."""
-    canonical = json.dumps(
-        list(messages), sort_keys=True, ensure_ascii=False, separators=(",", ":")
-    )
+    re-run resumes it and a repeated prompt counts as a duplicate. A line's tools are part
+    of its prompt; a line without tools hashes its messages alone, as it always has."""
+    content: Any = list(messages) if tools is None else {"messages": list(messages),
+                                                         "tools": list(tools)}
+    canonical = json.dumps(content, sort_keys=True, ensure_ascii=False, separators=(",", ":"))
     return "h" + hashlib.sha256(canonical.encode()).hexdigest()[:16]

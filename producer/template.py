@@ -1,26 +1,34 @@
 """Render conversations with the target model's own chat template and tokenize them.
 
 The worker sends token ids, not text, to SGLang, so the ids built here *are* the prompt the
-target model sees: they must equal ``apply_chat_template(..., tokenize=True,
-add_generation_prompt=True)`` exactly. This sits on the producer's hot path, so the
-template is compiled once and the rendered strings are tokenized in one Rust batch call.
+target model sees: they must equal ``apply_chat_template(messages, tools=...,
+tokenize=True, add_generation_prompt=True)`` exactly. This sits on the producer's hot path,
+so the template is compiled once and the rendered strings are tokenized in one Rust batch
+call; both shortcuts are checked against that public call on probe conversations (tools
+and tool calls among them) when the templater is built, and dropped where they disagree.
+
+A tokenizer whose class is Python code beside its files (``auto_map`` in
+``tokenizer_config.json``, as Kimi K2 ships it) is loaded only when the caller trusts the
+folder's code (``--trust-remote-code``): loading it runs that code.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-import os
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 import common
 from common.errors import ConfigError
+from common.tokenizer_files import load_tokenizer
 
 BUNDLED_TOKENIZER: Path = Path(common.__file__).parent / "assets" / "tokenizer"
 
-Messages = Sequence[dict[str, str]]
+Messages = Sequence[dict[str, Any]]
+Tools = Sequence[dict[str, Any]] | None
+Renderer = Callable[[Messages, Tools], str]
 
 # Reasoning openers a template may leave open at the end of the generation prompt, with
 # the marker the model emits to close them.
@@ -29,39 +37,45 @@ _REASONING_MARKERS: dict[str, str] = {
     "<seed:think>": "</seed:think>",
     "◁think▷": "◁/think▷",
 }
-_PROBE: list[dict[str, str]] = [{"role": "user", "content": "Hello"}]
-_PROBES: list[list[dict[str, str]]] = [
-    _PROBE,
-    [
+_PROBE: list[dict[str, Any]] = [{"role": "user", "content": "Hello"}]
+# A tool schema with its keys out of order, so a class that rewrites tools before rendering
+# (sorting them, say) shows on the probes.
+_PROBE_TOOLS: list[dict[str, Any]] = [{
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "parameters": {"type": "object", "required": ["city"],
+                       "properties": {"city": {"type": "string"}}},
+        "description": "Weather of a city.",
+    },
+}]
+_PROBE_CALL: list[dict[str, Any]] = [
+    {"role": "system", "content": "Use tools."},
+    {"role": "user", "content": "Weather in Paris and Rome?"},
+    {"role": "assistant", "content": None, "reasoning_content": "Two cities: two calls.",
+     "tool_calls": [
+         {"id": "call_1", "type": "function",
+          "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}},
+         {"id": "call_2", "type": "function",
+          "function": {"name": "get_weather", "arguments": {"city": "Rome"}}},
+     ]},
+    {"role": "tool", "tool_call_id": "call_1", "name": "get_weather", "content": "sunny"},
+    {"role": "tool", "tool_call_id": "call_2", "name": "get_weather", "content": "rain"},
+]
+# (messages, tools); every probe the public path renders must render alike on the fast one.
+_PROBES: list[tuple[list[dict[str, Any]], list[dict[str, Any]] | None]] = [
+    (_PROBE, None),
+    ([
         {"role": "system", "content": "Be brief."},
         {"role": "user", "content": "2+2?"},
         {"role": "assistant", "content": "4"},
         {"role": "user", "content": "And 3+3?"},
-    ],
+    ], None),
+    (_PROBE, _PROBE_TOOLS),
+    (_PROBE_CALL, _PROBE_TOOLS),
 ]
-
-
-def _load_tokenizer(name: str) -> Any:
-    # transformers is slow to import; only pay for it when a templater is built. datagen
-    # needs only its tokenizers and chat templates, so its advice that PyTorch is missing
-    # would send users to install a GPU stack for nothing.
-    os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
-    from transformers import AutoTokenizer
-
-    if Path(name).is_dir():
-        try:
-            return AutoTokenizer.from_pretrained(name, local_files_only=True)
-        except Exception as exc:
-            raise ConfigError(
-                f"tokenizer directory {name!r} holds no loadable tokenizer files ({exc})"
-            ) from exc
-    try:
-        return AutoTokenizer.from_pretrained(name)
-    except Exception as exc:
-        raise ConfigError(
-            f"tokenizer {name!r} not found: not a local directory and could not be loaded "
-            f"as a model id ({type(exc).__name__}: {exc})"
-        ) from exc
+def _listed(tools: Tools) -> list[dict[str, Any]] | None:
+    return None if tools is None else list(tools)
 
 
 def _chat_template(tokenizer: Any, name: str) -> str:
@@ -84,7 +98,7 @@ def _template_hash(template: str, kwargs: dict[str, Any]) -> str:
     return hashlib.sha256(f"{template}\0{frozen}".encode()).hexdigest()
 
 
-def _compiled_renderer(template: str, variables: dict[str, Any]) -> Callable[[Messages], str]:
+def _compiled_renderer(template: str, variables: dict[str, Any]) -> Renderer:
     """Render with the very Jinja environment transformers uses, compiled once.
 
     ``apply_chat_template`` re-validates and deep-copies every call, which costs more than
@@ -102,10 +116,10 @@ def _compiled_renderer(template: str, variables: dict[str, Any]) -> Callable[[Me
     shared_globals = dict(compiled.globals)
     base = {**shared_globals, **variables}
 
-    def render(messages: Messages) -> str:
+    def render(messages: Messages, tools: Tools = None) -> str:
         context = env.context_class(
-            env, {**base, "messages": list(messages)}, compiled.name, compiled.blocks,
-            globals=shared_globals,
+            env, {**base, "messages": list(messages), "tools": tools}, compiled.name,
+            compiled.blocks, globals=shared_globals,
         )
         try:
             return str(env.concat(compiled.root_render_func(context)))
@@ -119,29 +133,46 @@ def _compiled_renderer(template: str, variables: dict[str, Any]) -> Callable[[Me
 class ChatTemplater:
     """One target model's chat template and tokenizer, as the producer needs them."""
 
-    def __init__(self, tokenizer: str, chat_template_kwargs: dict[str, Any] | None = None) -> None:
+    def __init__(self, tokenizer: str, chat_template_kwargs: dict[str, Any] | None = None,
+                 trust_remote_code: bool = False) -> None:
         self.name = tokenizer
         self._kwargs: dict[str, Any] = dict(chat_template_kwargs or {})
-        self._tok = _load_tokenizer(tokenizer)
+        self._tok = load_tokenizer(tokenizer, trust_remote_code)
         template = _chat_template(self._tok, tokenizer)
         self.template_hash = _template_hash(template, self._kwargs)
-        self._render = self._pick_renderer(template)
+        probes = self._probe_texts()
+        self._render = self._pick_renderer(template, probes)
         self._backend = self._rust_backend()
+        self._check_ids(probes)
         self.reasoning_open, self.reasoning_close = self._detect_reasoning()
         self.eos_token_id: int | None = self._tok.eos_token_id
         # len() counts added tokens too, so every id the tokenizer can emit is below it.
         self.vocab_size: int = len(self._tok)
 
-    def _public_render(self, messages: Messages) -> str:
+    def _public_render(self, messages: Messages, tools: Tools = None) -> str:
         try:
             text = self._tok.apply_chat_template(
-                list(messages), tokenize=False, add_generation_prompt=True, **self._kwargs
+                list(messages), tools=_listed(tools), tokenize=False,
+                add_generation_prompt=True, **self._kwargs
             )
         except Exception as exc:
             raise ConfigError(f"chat template of {self.name} failed to render: {exc}") from exc
         return str(text)
 
-    def _pick_renderer(self, template: str) -> Callable[[Messages], str]:
+    def _probe_texts(self) -> list[str | None]:
+        """The public path's text of each probe; None for a probe with tools that the
+        template cannot render (it takes no tool calls): such lines fail on either path."""
+        texts: list[str | None] = []
+        for messages, tools in _PROBES:
+            try:
+                texts.append(self._public_render(messages, tools))
+            except ConfigError:
+                if tools is None:
+                    raise
+                texts.append(None)
+        return texts
+
+    def _pick_renderer(self, template: str, expected: list[str | None]) -> Renderer:
         variables = {
             "tools": None,
             "documents": None,
@@ -149,13 +180,34 @@ class ChatTemplater:
             **self._tok.special_tokens_map,
             **self._kwargs,
         }
-        expected = [self._public_render(probe) for probe in _PROBES]
         try:
             fast = _compiled_renderer(template, variables)
-            agrees = [fast(probe) for probe in _PROBES] == expected
+            agrees = all(fast(messages, tools) == text
+                         for (messages, tools), text in zip(_PROBES, expected, strict=True)
+                         if text is not None)
         except Exception:
             agrees = False  # private helper gone or different: the public path still works
         return fast if agrees else self._public_render
+
+    def _check_ids(self, expected: list[str | None]) -> None:
+        """The batch tokenizing gives ``apply_chat_template(..., tokenize=True)``'s ids on
+        every probe, or its Rust shortcut is dropped; a tokenizer whose ids even its own
+        text does not give back is refused (the ids are the prompt the model sees)."""
+        probes = [p for p, text in zip(_PROBES, expected, strict=True) if text is not None]
+        texts = [self._render(messages, tools) for messages, tools in probes]
+        want = [self._public_ids(messages, tools) for messages, tools in probes]
+        if self._backend is not None and self._tokenize(texts) != want:
+            self._backend = None
+        if self._tokenize(texts) != want:
+            raise ConfigError(
+                f"tokenizer {self.name}: its rendered prompt does not tokenize to the ids "
+                "apply_chat_template(..., tokenize=True) gives, so datagen cannot build them")
+
+    def _public_ids(self, messages: Messages, tools: Tools) -> list[int]:
+        out = self._tok.apply_chat_template(
+            list(messages), tools=_listed(tools), tokenize=True, add_generation_prompt=True,
+            return_dict=False, **self._kwargs)
+        return list(out["input_ids"] if hasattr(out, "keys") else out)
 
     def _rust_backend(self) -> Any:
         backend = getattr(self._tok, "_tokenizer", None)
@@ -170,15 +222,19 @@ class ChatTemplater:
                 return opener, closer
         return None, None
 
-    def render(self, messages: Messages) -> str:
-        """The prompt text the target model sees for one conversation."""
-        return self._render(messages)
+    def render(self, messages: Messages, tools: Tools = None) -> str:
+        """The prompt text the target model sees for one conversation and its tools."""
+        return self._render(messages, tools)
 
-    def encode_batch(self, conversations: Sequence[Messages]) -> list[list[int]]:
-        """Token ids of each conversation's prompt, generation prompt included."""
+    def encode_batch(self, conversations: Sequence[Messages],
+                     tools: Sequence[Tools] | None = None) -> list[list[int]]:
+        """Token ids of each conversation's prompt (with its tools, ``tools[i]``),
+        generation prompt included."""
         if not conversations:
             return []
-        return self.tokenize([self._render(messages) for messages in conversations])
+        each = tools if tools is not None else [None] * len(conversations)
+        return self.tokenize([self._render(messages, t)
+                              for messages, t in zip(conversations, each, strict=True)])
 
     def tokenize(self, texts: Sequence[str]) -> list[list[int]]:
         """Token ids of rendered prompts (``render``'s output), in one batch call."""

@@ -36,6 +36,8 @@ class SimConfig:
     model_name: str = "datagen-sim"
     #: Directory with tokenizer.json (+ tokenizer_config.json); None = cheap fake vocab.
     tokenizer: str | None = None
+    #: Load a tokenizer whose class is Python code in its folder (runs that code).
+    trust_remote_code: bool = False
     #: JSONL file that gets one line per finished /generate request.
     request_log: str | None = None
     #: Waiting-queue bound; a request beyond it gets SGLang's 503. None = unbounded.

@@ -83,9 +83,11 @@ class Completion:
 class OutputModel:
     """Plans completions and decodes them, caching decoded text per prompt."""
 
-    def __init__(self, mean_output_tokens: int, tokenizer_dir: str | None = None) -> None:
+    def __init__(self, mean_output_tokens: int, tokenizer_dir: str | None = None,
+                 trust_remote_code: bool = False) -> None:
         self.mean_output_tokens = max(1, int(mean_output_tokens))
-        self.vocab: Vocab = load_vocab(tokenizer_dir) if tokenizer_dir else PlainVocab()
+        self.vocab: Vocab = (load_vocab(tokenizer_dir, trust_remote_code) if tokenizer_dir
+                             else PlainVocab())
         self._mu = math.log(self.mean_output_tokens) - _LOGNORMAL_SIGMA**2 / 2
         self._texts: OrderedDict[tuple[bytes, bool, int], str] = OrderedDict()
 

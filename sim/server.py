@@ -112,6 +112,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="directory with tokenizer.json for realistic ids and text",
     )
     p.add_argument(
+        "--trust-remote-code",
+        action="store_true",
+        help="--tokenizer may be a folder whose tokenizer class is Python code (runs it)",
+    )
+    p.add_argument(
         "--request-log",
         metavar="PATH",
         default=None,

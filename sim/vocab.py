@@ -15,6 +15,7 @@ import json
 import sys
 from array import array
 from pathlib import Path
+from typing import Any
 
 PLAIN_EOS_ID = 2
 PLAIN_THINK_ID = 3
@@ -50,14 +51,56 @@ class PlainVocab:
                         for i in ids if i != PLAIN_EOS_ID)
 
 
-class TokenizerVocab:
-    """A real tokenizer directory (tokenizer.json + tokenizer_config.json)."""
+class _CodeTokenizer:
+    """The `tokenizers.Tokenizer` methods TokenizerVocab uses, over a tokenizer whose class
+    is Python code beside its files (no tokenizer.json), loaded with transformers."""
 
     def __init__(self, directory: str) -> None:
+        from common.tokenizer_files import load_tokenizer
+
+        self.hf: Any = load_tokenizer(directory, trust_remote_code=True)
+        self.vocab: dict[str, int] = self.hf.get_vocab()
+
+    def token_to_id(self, token: str) -> int | None:
+        return self.vocab.get(token)
+
+    def get_added_tokens_decoder(self) -> dict[int, Any]:
+        return dict(self.hf.added_tokens_decoder)
+
+    def get_vocab_size(self, with_added_tokens: bool = True) -> int:
+        return len(self.hf)
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return str(self.hf.decode(ids, skip_special_tokens=skip_special_tokens))
+
+    def decode_batch(self, batch: list[list[int]]) -> list[str]:
+        return [self.decode(ids) for ids in batch]
+
+
+def _open_tokenizer(root: Path, trust_remote_code: bool) -> Any:
+    path = root / "tokenizer.json"
+    if path.is_file():
         from tokenizers import Tokenizer  # imported lazily: only this mode needs it
 
+        return Tokenizer.from_file(str(path))
+    from common.tokenizer_files import code_class
+
+    code = code_class(root)
+    if code is None:
+        raise ValueError(f"{root}: no tokenizer.json")
+    if not trust_remote_code:
+        raise ValueError(f"{root}: its tokenizer is Python code ({code}), and loading it runs "
+                         "that code: pass --trust-remote-code if you trust it")
+    return _CodeTokenizer(str(root))
+
+
+class TokenizerVocab:
+    """A real tokenizer directory (tokenizer.json + tokenizer_config.json), or with
+    ``trust_remote_code`` one whose class is Python code beside its files."""
+
+    def __init__(self, directory: str, trust_remote_code: bool = False) -> None:
         root = Path(directory)
-        self.tokenizer = Tokenizer.from_file(str(root / "tokenizer.json"))
+        self.tokenizer = _open_tokenizer(root, trust_remote_code)
         self.eos_id = self._find_eos(root)
         self.think_id: int | None = self.tokenizer.token_to_id("</think>")
         self.pool = self._ordinary_ids()
@@ -103,6 +146,6 @@ class TokenizerVocab:
         return str(self.tokenizer.decode(ids, skip_special_tokens=True))
 
 
-def load_vocab(directory: str) -> TokenizerVocab:
+def load_vocab(directory: str, trust_remote_code: bool = False) -> TokenizerVocab:
     """Load a tokenizer directory, failing loudly (a bad path is a config error)."""
-    return TokenizerVocab(directory)
+    return TokenizerVocab(directory, trust_remote_code)

@@ -102,3 +102,14 @@ def store(settings: Settings) -> Store:
 @pytest.fixture
 def ledger(redis_client: redis.Redis) -> Ledger:
     return Ledger(redis_client)
+
+
+@pytest.fixture(scope="session")
+def remote_tokenizer(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tokenizer folder whose class is Python code (ops/build_remote_tokenizer.py),
+    built once per session; transformers loads it only with trust_remote_code=True."""
+    from ops.build_remote_tokenizer import write
+
+    folder = tmp_path_factory.mktemp("tokenizers") / "datagen_remote_tokenizer"
+    write(folder)
+    return folder

@@ -133,3 +133,62 @@ def test_an_upgrade_that_fails_leaves_the_old_layout_whole(
     assert (copied, kept) == (0, N)
     monkeypatch.undo()
     assert Store(db_url).prompt("old", "s2") is not None
+
+
+# prompt_inputs as 0.2.0 created it: no tools column.
+_V020 = sa.MetaData()
+_V020_INPUTS = sa.Table(
+    "prompt_inputs", _V020,
+    sa.Column("dataset", sa.String(100), primary_key=True),
+    sa.Column("sample_id", sa.String(200), primary_key=True),
+    sa.Column("messages", sa.JSON, nullable=False),
+    sa.Column("input_ids", TokenIds, nullable=False),
+)
+for _table in (meta, datasets, prompts, results):
+    _table.to_metadata(_V020)
+
+_TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {}}}]
+
+
+def _write_v020_database(url: str) -> None:
+    engine = pooled_engine(url)
+    _V020.create_all(engine)
+    now = utcnow()
+    with engine.begin() as conn:
+        conn.execute(prompts.insert(), [{
+            "dataset": "old", "sample_id": f"s{i}", "state": "done" if i == 0 else "queued",
+            "prompt_tokens": 2, "max_new_tokens": 10, "source": f"/d/old.jsonl:{i + 1}",
+            "created_at": now, "updated_at": now} for i in range(3)])
+        conn.execute(_V020_INPUTS.insert(), [{
+            "dataset": "old", "sample_id": f"s{i}", "input_ids": [i, 9],
+            "messages": [{"role": "user", "content": f"q{i}"}]} for i in range(3)])
+        conn.execute(results.insert(), [{
+            "dataset": "old", "sample_id": "s0", "rid": "r0", "prompt_tokens": 2,
+            "completion_tokens": 2, "finish_reason": "stop", "output_ids": [5, 6],
+            "output_text": "ok", "server": "http://sglang", "model": "m"}])
+    engine.dispose()
+
+
+def test_a_v020_database_gets_the_tools_column_once_and_keeps_its_prompts(db_url: str) -> None:
+    _write_v020_database(db_url)
+    stores = all_at_once(lambda: Store(db_url), 4)  # processes starting at once: added once
+    store = stores[0]
+    assert "tools" in _columns(store, "prompt_inputs")
+    assert [p.input_ids if p else None for p in store.prompts(
+        [("old", f"s{i}") for i in range(3)])] == [[0, 9], [1, 9], [2, 9]]
+    with store.engine.connect() as conn:
+        exported = conn.execute(_select()).one()
+    assert (exported.sample_id, exported.messages, exported.tools) == (
+        "s0", [{"role": "user", "content": "q0"}], None)
+    store.insert_prompts([NewPrompt(
+        dataset="old", sample_id="new", state="queued", prompt_tokens=2, max_new_tokens=10,
+        source="/d/old.jsonl:9", messages=[{"role": "user", "content": "w"}],
+        input_ids=[4, 2], tools=_TOOLS)])
+    assert store.save_results([_result("new")]) == {("old", "new")}
+    with store.engine.connect() as conn:
+        rows = {r.sample_id: r.tools for r in conn.execute(_select())}
+        nulls = conn.execute(sa.text(
+            "SELECT COUNT(*) FROM prompt_inputs WHERE tools IS NULL")).scalar()
+    assert rows == {"s0": None, "new": _TOOLS}
+    assert nulls == 3  # SQL NULL, not JSON null, for a prompt without tools
+    assert Store(db_url).prompt("old", "new") is not None  # a later process finds it current

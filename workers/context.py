@@ -5,18 +5,19 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import redis
 from celery import Celery
 
+from common.errors import ConfigError
 from common.ledger import ChargeResult, Ledger
 from common.rows import ResultRow
 from common.settings import Settings
 from common.sglang_client import Completion, SGLangClient
 from common.store import DatasetRow, Store
+from common.tokenizer_files import code_class, load_tokenizer
 from workers import steps
 from workers.grouping import LINGER_S, MAX_GROUP, GroupCall
 from workers.inflight import LiveRids
@@ -101,21 +102,35 @@ class WorkerContext:
                                 decoder=self.decoder)
 
     def decoder(self, tokenizer: str) -> Decoder | None:
-        """A decoder for cut outputs, loaded once with the light ``tokenizers`` library."""
+        """A decoder for cut outputs, loaded once."""
         if tokenizer not in self._decoders:
-            path = Path(tokenizer) / "tokenizer.json"
-            fn: Decoder | None = None
-            if path.is_file():
-                from tokenizers import Tokenizer
-
-                tok = Tokenizer.from_file(str(path))
-
-                def fn(ids: Sequence[int], _tok: Tokenizer = tok) -> str:
-                    return _tok.decode(list(ids), skip_special_tokens=True)
-
+            fn = _load_decoder(tokenizer, self.settings.trust_remote_code)
             with self._lock:
                 self._decoders[tokenizer] = fn
         return self._decoders[tokenizer]
+
+
+def _load_decoder(tokenizer: str, trust_remote_code: bool) -> Decoder | None:
+    """With the light ``tokenizers`` library from tokenizer.json; a tokenizer that is
+    Python code (no tokenizer.json) with transformers, when its code is trusted."""
+    path = Path(tokenizer) / "tokenizer.json"
+    if path.is_file():
+        from tokenizers import Tokenizer
+
+        tok = Tokenizer.from_file(str(path))
+        return lambda ids: str(tok.decode(list(ids), skip_special_tokens=True))
+    code = code_class(Path(tokenizer))
+    if code is not None and trust_remote_code:
+        try:
+            hf = load_tokenizer(tokenizer, trust_remote_code=True)
+        except ConfigError as exc:
+            log.warning("outputs cut to a budget get no text: %s", exc)
+            return None
+        return lambda ids: str(hf.decode(list(ids), skip_special_tokens=True))
+    log.warning("outputs cut to a budget get no text: no %s%s", path,
+                "; its tokenizer is Python code, decoded with DATAGEN_TRUST_REMOTE_CODE=1"
+                if code is not None else "")
+    return None
 
 
 _context_lock = threading.Lock()
