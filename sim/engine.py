@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections import deque
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -203,11 +203,7 @@ class Engine:
 
     def abort(self, rid_prefix: str | None, abort_all: bool = False) -> int:
         """Abort in-flight requests by rid prefix (or all); returns how many matched."""
-        if not abort_all and not rid_prefix:
-            return 0
-        hits = [
-            s for s in self.inflight.values() if abort_all or s.rid.startswith(rid_prefix or "")
-        ]
+        hits = matching(self.inflight.values(), rid_prefix, abort_all)
         for seq in hits:
             self._abort(seq)
         return len(hits)
@@ -267,3 +263,12 @@ class Engine:
 
     async def close(self) -> None:
         """Nothing runs in the background in this mode."""
+
+
+def matching(inflight: Iterable[Sequence], rid_prefix: str | None,
+             abort_all: bool) -> list[Sequence]:
+    """The requests an abort names: all of them, or those whose rid has the prefix; an
+    empty prefix names none."""
+    if not abort_all and not rid_prefix:
+        return []
+    return [s for s in inflight if abort_all or s.rid.startswith(rid_prefix or "")]

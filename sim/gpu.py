@@ -23,6 +23,7 @@ from sim.engine import (
     RUNNING,
     Sequence,
     check_admissible,
+    matching,
     sleep_unless_woken,
     wake,
 )
@@ -101,11 +102,7 @@ class GpuEngine:
 
     def abort(self, rid_prefix: str | None, abort_all: bool = False) -> int:
         """Abort in-flight requests by rid prefix (or all); returns how many matched."""
-        if not abort_all and not rid_prefix:
-            return 0
-        hits = [
-            s for s in self.inflight.values() if abort_all or s.rid.startswith(rid_prefix or "")
-        ]
+        hits = matching(self.inflight.values(), rid_prefix, abort_all)
         for seq in hits:
             self._abort(seq)
         return len(hits)
