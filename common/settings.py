@@ -57,6 +57,9 @@ class Settings:
     # lost its data, or a worker killed between kombu's BRPOP of a message and its record).
     sweep_s: float = 300.0
     sweep_quiet_s: float = 300.0
+    # A dataset whose prompts fail this many times in a row with the same permanent error
+    # (a 400 every sample gets) is stopped rather than failed prompt by prompt; 0: never.
+    stop_after_failures: int = 5
     sglang_api_key: str = field(default="", repr=False)
 
     def __post_init__(self) -> None:

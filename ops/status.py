@@ -26,6 +26,7 @@ from rich.live import Live
 from rich.table import Table
 
 from common.console import make_console
+from common.failures import STOPPED, commonest_error
 from common.ledger import Ledger, LedgerState
 from common.services import connect
 from common.settings import Settings
@@ -57,6 +58,7 @@ class DatasetStatus:
     tok_per_s: float
     eta_s: int | None
     mean_tokens: float | None
+    stop_error: str | None = None
 
 
 @dataclass(frozen=True)
@@ -97,9 +99,16 @@ def eta_seconds(
     return round(min(budget_left, prompts_left * mean) / rate)
 
 
+def _state(ds: DatasetRow, led: LedgerState) -> str:
+    if ds.state != "closed" and led.state != "closed":
+        return "open"
+    return "stopped" if STOPPED in (ds.close_reason, led.close_reason) else "closed"
+
+
 def _row(ds: DatasetRow, counts: dict[str, int], led: LedgerState, sums: ResultSums,
-         recent: ResultSums | None) -> DatasetStatus:
-    closed = ds.state == "closed" or led.state == "closed"
+         recent: ResultSums | None, stop_error: str | None) -> DatasetStatus:
+    state = _state(ds, led)
+    closed = state != "open"
     basis, mean = ds.budget.basis, sums.mean(ds.budget.basis)
     queued_prompts = counts.get("queued", 0)
     eta = eta_seconds(
@@ -109,7 +118,7 @@ def _row(ds: DatasetRow, counts: dict[str, int], led: LedgerState, sums: ResultS
     )
     return DatasetStatus(
         name=ds.name,
-        state="closed" if closed else "open",
+        state=state,
         prompts=sum(counts.values()),
         done=counts.get("done", 0),
         failed=counts.get("failed", 0),
@@ -125,6 +134,7 @@ def _row(ds: DatasetRow, counts: dict[str, int], led: LedgerState, sums: ResultS
         tok_per_s=round(progress.rate(recent, "output", RATE_WINDOW_S), 1),
         eta_s=eta,
         mean_tokens=mean,
+        stop_error=stop_error if state == "stopped" else None,
     )
 
 
@@ -133,11 +143,14 @@ def collect(store: Store, ledger: Ledger, now: datetime | None = None) -> list[D
     counts = progress.prompt_counts(store.engine)
     sums = progress.result_sums(store.engine)
     recent = progress.recent_sums(store.engine, [d.name for d in dsets], RATE_WINDOW_S, now)
-    return [
-        _row(ds, counts.get(ds.name, {}), ledger.state(ds.name),
-             sums.get(ds.name, ResultSums()), recent.get(ds.name))
-        for ds in dsets
-    ]
+    rows = []
+    for ds in dsets:
+        led = ledger.state(ds.name)
+        # Read for a stopped dataset only: the error its failures share is why it stopped.
+        shared = commonest_error(store, ds.name) if _state(ds, led) == "stopped" else None
+        rows.append(_row(ds, counts.get(ds.name, {}), led, sums.get(ds.name, ResultSums()),
+                         recent.get(ds.name), shared[0] if shared else None))
+    return rows
 
 
 def totals(rows: list[DatasetStatus]) -> Totals:
@@ -208,6 +221,11 @@ def render(rows: list[DatasetStatus]) -> Table:
     if rows:
         tot = totals(rows)
         table.add_row(*_cells(tot, "total", f"{tot.open} open", None))
+    stops = [f"{r.name} stopped: its prompts failed with: {r.stop_error}\n"
+             f"  fix the cause, then `datagen retry {r.name}` (it takes --top-p ... too)"
+             for r in rows if r.state == "stopped"]
+    if stops:
+        table.caption, table.caption_justify = "\n".join(stops), "left"
     return table
 
 
