@@ -37,12 +37,14 @@ def run_retry(args: argparse.Namespace, settings: Settings) -> int:
     fixed = sampling_flags(args)
     store, ledger = connect(settings)
     ds = store.dataset(args.name)
+    reconcile_dataset(store, ledger, ds.name)  # a Redis that lost the ledger learns the stop
     if fixed:
         store.set_sampling(ds.name, {**ds.sampling, **fixed})
     stopped = is_stopped(ds, ledger)
     back = requeue_failed(store, ds.name, args.error)
     if not back and not stopped:
-        print(f"{ds.name}: no failed prompts{_matching(args.error)}; nothing to retry")
+        print(f"{ds.name}: {_sampling_note(fixed)}no failed prompts{_matching(args.error)}; "
+              "nothing to retry")
         return 0
     wait_for_workers_terms(store, ds.name)
     if stopped:
@@ -92,6 +94,12 @@ def _send(settings: Settings, store: Store, ledger: Ledger, name: str, back: lis
     return len(to_send)
 
 
+def _sampling_note(fixed: dict[str, Any]) -> str:
+    if not fixed:
+        return ""
+    return "sampling now " + ", ".join(f"{k}={v}" for k, v in fixed.items()) + "; "
+
+
 def _matching(error: str | None) -> str:
     return f" whose error contains {error!r}" if error else ""
 
@@ -100,7 +108,7 @@ def _report(ds: DatasetRow, fixed: dict[str, Any], back: int, stopped: bool,
             sent: int | None, close_reason: str | None) -> str:
     parts = [f"{ds.name}: {back:,} failed prompts back to queued, attempts reset"]
     if fixed:
-        parts.append("sampling now " + ", ".join(f"{k}={v}" for k, v in fixed.items()))
+        parts.append(_sampling_note(fixed).removesuffix("; "))
     if stopped and sent is not None:
         parts.append("no longer stopped")
     if sent is None:
