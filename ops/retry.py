@@ -10,9 +10,11 @@ stopped dataset, or with the workers' sweep.
 from __future__ import annotations
 
 import argparse
+import sys
 import time
 from typing import Any
 
+from common.audit import queued_in_redis
 from common.celery_app import make_celery
 from common.failures import STOPPED, requeue_failed
 from common.ledger import Ledger
@@ -22,6 +24,10 @@ from common.sampling_rules import add_sampling_flags, sampling_flags
 from common.services import connect
 from common.settings import Settings
 from common.store import DatasetRow, Store
+
+# How long retry waits for a stopped dataset's requests in flight (each answered with the
+# error that stopped it, at once) and its messages workers hold (dropped by the revoke).
+INFLIGHT_WAIT_S = 60.0
 
 
 def add_retry_parser(sub: argparse._SubParsersAction) -> None:
@@ -41,6 +47,8 @@ def run_retry(args: argparse.Namespace, settings: Settings) -> int:
     if fixed:
         store.set_sampling(ds.name, {**ds.sampling, **fixed})
     stopped = is_stopped(ds, ledger)
+    if stopped:
+        wait_for_inflight(ledger, ds.name)
     back = requeue_failed(store, ds.name, args.error)
     if not back and not stopped:
         print(f"{ds.name}: {_sampling_note(fixed)}no failed prompts{_matching(args.error)}; "
@@ -62,18 +70,36 @@ def is_stopped(ds: DatasetRow, ledger: Ledger) -> bool:
     return STOPPED in (ds.close_reason, ledger.state(ds.name).close_reason)
 
 
+def wait_for_inflight(ledger: Ledger, name: str, timeout_s: float = INFLIGHT_WAIT_S) -> None:
+    """Let what a stop left with the workers end first: requests in flight, each failing
+    (or succeeding) on its own, and messages they had reserved, which the stop's revoke
+    drops. A prompt that failed after this command's reset would stay failed, and one
+    whose message was still held would not be sent again."""
+    deadline, told = time.monotonic() + timeout_s, False
+    while time.monotonic() < deadline:
+        inflight = ledger.state(name).inflight
+        held = queued_in_redis(ledger.redis, name)
+        if not inflight and not held:
+            return
+        if not told:
+            print(f"{name}: waiting for {inflight} requests in flight and {len(held)} "
+                  "messages held by workers to end", file=sys.stderr)
+            told = True
+        time.sleep(0.5)
+
+
 def wait_for_workers_terms(store: Store, name: str) -> None:
     """Wait until every worker has re-read the dataset's row changed in the last seconds
     (a sampling fixed by this command or by ``datagen enqueue``): a prompt sent before
     would be generated with the old values, and fail again."""
-    from workers.context import DATASET_CACHE_S
+    from workers.context import DATASET_STALE_S
 
     changed = store.terms_changed_at(name)
     if changed is None:
         return
-    left = changed.timestamp() + DATASET_CACHE_S - time.time()
+    left = changed.timestamp() + DATASET_STALE_S - time.time()
     if left > 0:
-        time.sleep(min(left, DATASET_CACHE_S))
+        time.sleep(min(left, DATASET_STALE_S))
 
 
 def _send(settings: Settings, store: Store, ledger: Ledger, name: str, back: list[str],
@@ -84,8 +110,6 @@ def _send(settings: Settings, store: Store, ledger: Ledger, name: str, back: lis
     to_send = back
     if stopped:
         # The stop purged the queue: every queued prompt Redis does not hold goes out.
-        from common.audit import queued_in_redis
-
         to_send = sorted(set(store.sample_ids(name, "queued"))
                          - queued_in_redis(ledger.redis, name))
     publisher = Publisher(make_celery(settings))

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import redis
 
-from common.failures import STOPPED, requeue_failed, streak
+from common.failures import STOPPED, commonest_error, requeue_failed, streak
 from common.keys import dataset_keys
 from common.ledger import Ledger
 from common.rows import ResultRow
@@ -118,7 +118,7 @@ def test_retry_while_workers_run_sends_with_the_fixed_sampling(
         wait_settled(store, ["live"], client=redis_client)
         wait_for(lambda: ledger.state("live").inflight == 0, "its requests end")
     assert store.dataset("live").state == "open"
-    assert store.prompt_counts("live") == {"done": PROMPTS}
+    assert store.prompt_counts("live") == {"done": PROMPTS}, commonest_error(store, "live")
     assert_invariants(store, ledger, ["live"])
 
 
