@@ -19,7 +19,7 @@ No other module spells a key string; tests import these functions too.
         state          "open" | "closed"
         reserved       expected tokens of requests in flight (admission)
         closed_at      unix seconds of the close        (set once, at the close)
-        close_reason   "budget" | "manual"
+        close_reason   "budget" | "manual" | "stopped" (common/failures.py)
         used_at_close  ``used`` when the close happened
     datagen:ds:{name}:charged             hash    Lua only: sample_id -> tokens    none
     datagen:ds:{name}:inflight            hash    Lua only: rid -> expected tokens none

@@ -63,6 +63,9 @@ class Settings:
     # A worker started before Redis or the database waits this long for them (one line per
     # service every few seconds), then exits 3 for its supervisor to start it again.
     start_wait_s: float = 600.0
+    # A dataset whose prompts fail this many times in a row with the same permanent error
+    # (a 400 every sample gets) is stopped rather than failed prompt by prompt; 0: never.
+    stop_after_failures: int = 5
     sglang_api_key: str = field(default="", repr=False)
 
     def __post_init__(self) -> None:

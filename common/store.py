@@ -252,6 +252,18 @@ class Store:
                 )
             )
 
+    def set_sampling(self, name: str, sampling: dict[str, Any]) -> None:
+        """Replace the dataset's sampling; workers take it within their cache's period."""
+        with self.engine.begin() as conn:
+            conn.execute(datasets.update().where(datasets.c.name == name)
+                         .values(sampling=sampling, updated_at=utcnow()))
+
+    def terms_changed_at(self, name: str) -> datetime | None:
+        """When the dataset's row last changed (its terms, sampling, close or reopen)."""
+        q = sa.select(datasets.c.updated_at).where(datasets.c.name == name)
+        with self.engine.connect() as conn:
+            return as_utc(conn.scalar(q))
+
     # -- prompts --------------------------------------------------------------------------
 
     def prompt_states(self, dataset: str) -> dict[str, str]:

@@ -14,6 +14,7 @@ from common.errors import (
     ServiceUnavailable,
     UnknownDatasetError,
 )
+from common.sampling_rules import add_sampling_flags
 from common.settings import Settings
 
 
@@ -27,10 +28,7 @@ def _add_enqueue(sub: argparse._SubParsersAction) -> None:
                         "runs that code (DATAGEN_TRUST_REMOTE_CODE)")
     p.add_argument("--max-seq-len", type=int, default=32768)
     p.add_argument("--max-new-tokens", type=int, default=16384)
-    p.add_argument("--temperature", type=float)
-    p.add_argument("--top-p", type=float)
-    p.add_argument("--top-k", type=int)
-    p.add_argument("--min-p", type=float)
+    add_sampling_flags(p)
     p.add_argument("--chat-template-kwargs", default="{}", help='JSON, e.g. {"thinking": true}')
     p.add_argument("--budget-tokens", default=None, help="per dataset, e.g. 10M (default 10M)")
     p.add_argument("--budget-basis", choices=("output", "total"), default="output")
@@ -61,11 +59,13 @@ def build_parser() -> argparse.ArgumentParser:
     ro.add_argument("--budget-tokens", required=True)
     from ops.export import add_export_parser
     from ops.plan import add_plan_parser
+    from ops.retry import add_retry_parser
     from ops.validate import add_validate_parser
 
     add_export_parser(sub)
     add_validate_parser(sub)
     add_plan_parser(sub)
+    add_retry_parser(sub)
     d = sub.add_parser("demo", help="the whole job on embedded defaults: simulator, SQLite")
     d.add_argument("--workers", type=int, default=1)
     d.add_argument("--concurrency", type=int, default=32)
@@ -97,6 +97,10 @@ def dispatch(args: argparse.Namespace, settings: Settings) -> int:
         from ops.validate import run_validate
 
         return run_validate(args, settings)
+    if args.command == "retry":
+        from ops.retry import run_retry
+
+        return run_retry(args, settings)
     if args.command in ("purge", "reopen"):
         from ops import admin
 

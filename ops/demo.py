@@ -92,7 +92,7 @@ def _wait(settings: Settings, console: Console) -> None:
         while time.monotonic() < deadline:
             rows = collect(store, ledger)
             live.update(render(rows), refresh=True)
-            if all(r.state == "closed" or r.done + r.failed + r.skipped == r.prompts
+            if all(r.state != "open" or r.done + r.failed + r.skipped == r.prompts
                    for r in rows) and not any(r.inflight for r in rows):
                 return
             time.sleep(1)

@@ -42,6 +42,7 @@ from rich.console import Console, Group, RenderableType
 from rich.live import Live
 
 from common.console import make_console
+from common.failures import STOPPED, commonest_error
 from common.ledger import Ledger, LedgerState
 from common.reconcile import reconcile_dataset
 from common.services import connect
@@ -82,6 +83,7 @@ class DatasetStatus:
     retrying: int = 0
     last_error: str | None = None
     last_error_count: int = 0
+    stop_error: str | None = None
 
 
 @dataclass(frozen=True)
@@ -123,9 +125,17 @@ def eta_seconds(
     return round(min(budget_left, prompts_left * mean) / rate)
 
 
+def _state(ds: DatasetRow, led: LedgerState) -> str:
+    if ds.state != "closed" and led.state != "closed":
+        return "open"
+    return "stopped" if STOPPED in (ds.close_reason, led.close_reason) else "closed"
+
+
 def _row(ds: DatasetRow, counts: dict[str, int], led: LedgerState, sums: ResultSums,
-         recent: ResultSums | None, retry: Retrying) -> DatasetStatus:
-    closed = ds.state == "closed" or led.state == "closed"
+         recent: ResultSums | None, retry: Retrying,
+         stop_error: str | None) -> DatasetStatus:
+    state = _state(ds, led)
+    closed = state != "open"
     if closed:  # its prompts left queued are dropped, not retried, whatever they last met
         retry = Retrying()
     basis, mean = ds.budget.basis, sums.mean(ds.budget.basis)
@@ -137,7 +147,7 @@ def _row(ds: DatasetRow, counts: dict[str, int], led: LedgerState, sums: ResultS
     )
     return DatasetStatus(
         name=ds.name,
-        state="closed" if closed else "open",
+        state=state,
         prompts=sum(counts.values()),
         done=counts.get("done", 0),
         failed=counts.get("failed", 0),
@@ -156,6 +166,7 @@ def _row(ds: DatasetRow, counts: dict[str, int], led: LedgerState, sums: ResultS
         retrying=retry.samples,
         last_error=retry.last_error,
         last_error_count=retry.last_error_samples,
+        stop_error=stop_error if state == "stopped" else None,
     )
 
 
@@ -165,12 +176,15 @@ def collect(store: Store, ledger: Ledger, now: datetime | None = None) -> list[D
     sums = progress.result_sums(store.engine)
     recent = progress.recent_sums(store.engine, [d.name for d in dsets], RATE_WINDOW_S, now)
     retrying = progress.retrying(store.engine)
-    return [
-        _row(ds, counts.get(ds.name, {}), ledger.state(ds.name),
-             sums.get(ds.name, ResultSums()), recent.get(ds.name),
-             retrying.get(ds.name, Retrying()))
-        for ds in dsets
-    ]
+    rows = []
+    for ds in dsets:
+        led = ledger.state(ds.name)
+        # Read for a stopped dataset only: the error its failures share is why it stopped.
+        shared = commonest_error(store, ds.name) if _state(ds, led) == "stopped" else None
+        rows.append(_row(ds, counts.get(ds.name, {}), led, sums.get(ds.name, ResultSums()),
+                         recent.get(ds.name), retrying.get(ds.name, Retrying()),
+                         shared[0] if shared else None))
+    return rows
 
 
 def rebuild_lost(store: Store, ledger: Ledger) -> list[str]:

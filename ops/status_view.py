@@ -67,15 +67,23 @@ def _one_line(text: str) -> str:
 
 
 def notes(rows: Sequence[DatasetStatus]) -> list[str]:
-    """One line per dataset whose samples wait to be retried, with the newest error.
+    """Lines for datasets that need a look: those stopped by an error all their failures
+    share, with what to do, and those whose samples wait to be retried, with the newest
+    error.
 
     Samples retried against a server that refuses connections sit in the workers, neither
     queued nor in flight, so without this line a stuck run would look idle and fine."""
-    return [
+    stopped = [
+        f"{r.name} stopped: its prompts failed with: {_one_line(r.stop_error or '')}\n"
+        f"  fix the cause, then `datagen retry {r.name}` (it takes --top-p ... too)"
+        for r in rows if r.state == "stopped"
+    ]
+    retrying = [
         f"{r.name}: {r.retrying:,} samples waiting to be retried; last error "
         f"({r.last_error_count:,} of them): {_one_line(r.last_error or '')}"
         for r in rows if r.retrying
     ]
+    return stopped + retrying
 
 
 def render(rows: Sequence[DatasetStatus], totals: Totals | None,

@@ -16,6 +16,7 @@ from common.budget import Budget, parse_budget_tokens
 from common.celery_app import make_celery
 from common.console import make_console
 from common.errors import ConfigError
+from common.sampling_rules import sampling_flags
 from common.services import connect
 from common.settings import Settings
 from producer.enqueue import DatasetSummary, Enqueuer, Limits
@@ -32,9 +33,8 @@ def count_lines(path: Path) -> int:
 
 
 def _sampling(args: argparse.Namespace) -> dict[str, Any]:
-    given = {"temperature": args.temperature, "top_p": args.top_p, "top_k": args.top_k,
-             "min_p": args.min_p}
-    return {**DEFAULT_SAMPLING, **{k: v for k, v in given.items() if v is not None}}
+    # Checked here, before anything is stored: a value SGLang refuses fails every sample.
+    return {**DEFAULT_SAMPLING, **sampling_flags(args)}
 
 
 def _template_kwargs(raw: str) -> dict[str, Any]:

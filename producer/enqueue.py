@@ -21,6 +21,7 @@ from common.ledger import Ledger
 from common.publish import Publisher
 from common.reconcile import reconcile_dataset
 from common.rows import NewPrompt
+from common.sampling_rules import check_sampling
 from common.store import DatasetRow, Store
 from producer.plan import DatasetPlan
 from producer.reader import PromptRecord, ReadReport, read_dataset
@@ -108,6 +109,9 @@ class Enqueuer:
         self._analyzed = False
 
     def run(self, plans: list[DatasetPlan]) -> list[DatasetSummary]:
+        for plan in plans:  # all of them before the first is stored
+            check_sampling({**plan.sampling, "max_new_tokens": plan.max_new_tokens},
+                           name=f"dataset {plan.name}: {{}}".format)
         self._tokenizing = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenize")
         self._writing = ThreadPoolExecutor(max_workers=1, thread_name_prefix="store")
         self._sending = Sender(self.app, in_child=self.publish_in_child)

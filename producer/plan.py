@@ -10,9 +10,9 @@ from typing import Any
 from common.budget import Budget, parse_budget_tokens
 from common.errors import ConfigError
 from common.names import validate_dataset_name
+from common.sampling_rules import SAMPLING_KEYS, check_sampling
 from producer.reader import discover
 
-SAMPLING_KEYS = ("temperature", "top_p", "top_k", "min_p")
 # SGLang's own defaults, sent explicitly: /generate does not read generation_config.
 DEFAULT_SAMPLING: dict[str, Any] = {"temperature": 1.0, "top_p": 1.0, "top_k": -1, "min_p": 0.0}
 
@@ -86,6 +86,8 @@ def _plan_from_table(
         )
     except ConfigError as exc:
         raise ConfigError(f"{where}: {exc}") from None
-    overrides = {k: spec[k] for k in SAMPLING_KEYS if k in spec}
-    max_new_tokens = int(spec.get("max_new_tokens", max_new))
-    return DatasetPlan(name, tuple(files), terms, {**sampling, **overrides}, max_new_tokens)
+    merged = {**sampling, **{k: spec[k] for k in SAMPLING_KEYS if k in spec}}
+    max_new_tokens = spec.get("max_new_tokens", max_new)
+    # Refused here, before anything is stored: SGLang would refuse every sample.
+    check_sampling({**merged, "max_new_tokens": max_new_tokens}, name=lambda k: f"{where}: {k}")
+    return DatasetPlan(name, tuple(files), terms, merged, max_new_tokens)

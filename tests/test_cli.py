@@ -20,7 +20,7 @@ from tests.helpers import running_worker, wait_settled, write_dataset
 STATUS_KEYS = {
     "name", "state", "prompts", "done", "failed", "skipped", "queued", "used_tokens",
     "budget_tokens", "basis", "policy", "inflight", "closed_at", "overshoot_tokens",
-    "tok_per_s", "eta_s", "retrying", "last_error", "last_error_count",
+    "tok_per_s", "eta_s", "retrying", "last_error", "last_error_count", "stop_error",
 }
 
 

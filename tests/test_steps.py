@@ -21,7 +21,7 @@ from common.settings import Settings
 from common.store import Store
 from tests.helpers import assert_invariants, context_for, enqueue_paths, write_dataset
 from workers import steps
-from workers.context import DATASET_CACHE_S, WorkerContext
+from workers.context import DATASET_CACHE_S, DATASET_STALE_S, WorkerContext
 from workers.pipeline import Outcome, run_sample
 
 
@@ -164,3 +164,10 @@ def test_expired_terms_are_read_again_by_one_task_while_the_others_go_on(
     assert sum(row is reads[1] for row in later) == 1  # the one that read them again
     assert sum(row is reads[0] for row in later) == 7
     assert ctx.dataset("terms") is reads[1]
+
+    # Terms older than DATASET_STALE_S are never used: every task waits for the new read,
+    # so a command that changed them knows when the old ones are gone.
+    ctx._datasets["terms"] = (time.monotonic() - DATASET_STALE_S - 1, reads[0])
+    with ThreadPoolExecutor(8) as pool:
+        waited = list(pool.map(lambda _: ctx.dataset("terms"), range(8)))
+    assert len(reads) == 3 and all(row is reads[2] for row in waited)

@@ -25,6 +25,10 @@ from workers.results import ResultWriter
 
 log = logging.getLogger(__name__)
 DATASET_CACHE_S = 5.0
+# The oldest terms a task goes on with while another thread re-reads them; older ones are
+# waited for. So a row is never used longer than this after it was read, and a command
+# that changes a dataset's sampling knows when no worker sends the old values any more.
+DATASET_STALE_S = 2 * DATASET_CACHE_S
 Decoder = steps.Decoder
 
 
@@ -74,15 +78,16 @@ class WorkerContext:
     def dataset(self, name: str) -> DatasetRow:
         """The dataset's terms, re-read every few seconds so budget changes arrive.
 
-        One thread re-reads them while the others go on with the terms they have: if
-        every task reaching this point at full rate read the expired row at once, each
-        would take a pooled connection of its own and warm up its cache."""
+        One thread re-reads them while the others go on with the terms they have (up to
+        DATASET_STALE_S old): if every task reaching this point at full rate read the
+        expired row at once, each would take a pooled connection of its own and warm up
+        its cache."""
         cached = self._datasets.get(name)
         if cached is not None and time.monotonic() - cached[0] <= DATASET_CACHE_S:
             return cached[1]
         with self._lock:
             reading = self._reading.setdefault(name, threading.Lock())
-        if cached is None:
+        if cached is None or time.monotonic() - cached[0] > DATASET_STALE_S:
             reading.acquire()
         elif not reading.acquire(blocking=False):
             return cached[1]  # another thread is re-reading them

@@ -17,6 +17,7 @@ from common.settings import Settings
 from workers.context import WorkerContext, get_context
 from workers.liveness import stop_this_worker
 from workers.pipeline import OUTAGE_WINDOW_S, Outcome, run_sample, wait_out_outage
+from workers.stopping import stop_if_systematic
 
 log = logging.getLogger(__name__)
 # How long a task waits for its dataset's in-flight requests when admission says "wait".
@@ -73,7 +74,9 @@ def _attempt(task: Task, ctx: WorkerContext, settings: Settings, dataset: str,
         send_retry(task, delay)
     except PermanentError as exc:
         ctx.store.record_attempt(dataset, sample_id, str(exc))
-        return _fail(ctx, dataset, sample_id, str(exc))
+        failed = _fail(ctx, dataset, sample_id, str(exc))
+        stop_if_systematic(ctx, dataset, str(exc))
+        return failed
     if outcome is Outcome.WAIT:
         send_retry(task, ADMISSION_WAIT_S * random.uniform(1, 1.5))
     return outcome.value
