@@ -19,7 +19,8 @@ class SimState:
 
     def __init__(self, cfg: SimConfig) -> None:
         self.cfg = cfg
-        self.outputs = OutputModel(cfg.mean_output_tokens, cfg.tokenizer)
+        self.outputs = OutputModel(cfg.mean_output_tokens, cfg.tokenizer,
+                                   nul_every=cfg.nul_every)
         self.injector = FaultInjector(cfg)
         self.engine = Engine(cfg, self.injector)
         self.log = RequestLog(cfg.request_log, cfg.log_capacity)

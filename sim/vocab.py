@@ -15,6 +15,7 @@ from array import array
 from pathlib import Path
 
 PLAIN_EOS_ID = 2
+PLAIN_NUL_ID = 3  # decodes to the byte 0, as a byte-level vocabulary's token for it does
 PLAIN_LOW, PLAIN_HIGH = 10, 32000
 _EOS_FALLBACKS = ("<|im_end|>", "<|endoftext|>", "</s>", "<eos>")
 
@@ -33,6 +34,7 @@ class PlainVocab:
 
     eos_id: int = PLAIN_EOS_ID
     think_id: int | None = None
+    nul_id: int | None = PLAIN_NUL_ID
 
     def content_ids(self, seed: bytes, n: int) -> list[int]:
         """n ids in [PLAIN_LOW, PLAIN_HIGH)."""
@@ -41,7 +43,8 @@ class PlainVocab:
 
     def decode(self, ids: list[int]) -> str:
         """Space-joined "t<id>" words; EOS is special and skipped, like SGLang's detokenizer."""
-        return " ".join(f"t{i}" for i in ids if i != PLAIN_EOS_ID)
+        return " ".join("\x00" if i == PLAIN_NUL_ID else f"t{i}"
+                        for i in ids if i != PLAIN_EOS_ID)
 
 
 class TokenizerVocab:
@@ -54,6 +57,7 @@ class TokenizerVocab:
         self.tokenizer = Tokenizer.from_file(str(root / "tokenizer.json"))
         self.eos_id = self._find_eos(root)
         self.think_id: int | None = self.tokenizer.token_to_id("</think>")
+        self.nul_id: int | None = None
         self.pool = self._ordinary_ids()
         if not self.pool:
             raise ValueError(f"{directory}: tokenizer has no ordinary tokens to draw from")
@@ -80,6 +84,8 @@ class TokenizerVocab:
         size = self.tokenizer.get_vocab_size(with_added_tokens=True)
         candidates = [i for i in range(size) if i not in added]
         texts = self.tokenizer.decode_batch([[i] for i in candidates])
+        self.nul_id = next((i for i, text in zip(candidates, texts, strict=True)
+                            if text == "\x00"), None)
         keep = [
             i
             for i, text in zip(candidates, texts, strict=True)
