@@ -84,8 +84,8 @@ def _check_hub(name: str) -> None:
                           "set: give the tokenizer's directory")
     try:
         HfApi().model_info(name, timeout=HUB_TIMEOUT_S)
-    except HFValidationError as exc:
-        raise ConfigError(f"{where} nor a model id ({exc})") from None
+    except HFValidationError:
+        raise ConfigError(f"{where} nor a model id (namespace/name)") from None
     except GatedRepoError:
         raise ConfigError(f"{where}, and model {name!r} on {constants.ENDPOINT} is gated: "
                           "accept its terms and log in (hf auth login)") from None
