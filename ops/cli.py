@@ -41,8 +41,9 @@ def _add_enqueue(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--chat-template-kwargs", default="{}",
                    help='JSON object for the chat template, e.g. {"thinking": true} '
                    "(default: %(default)s)")
-    p.add_argument("--budget-tokens", default=None, help="output tokens per dataset, e.g. "
-                   "10000000, 10M or 500k (default: DATAGEN_DEFAULT_BUDGET_TOKENS, 10M)")
+    p.add_argument("--budget-tokens", default=None, help="tokens per dataset, counted on "
+                   "--budget-basis, e.g. 10000000, 10M or 500k (default: "
+                   "DATAGEN_DEFAULT_BUDGET_TOKENS, 10M)")
     p.add_argument("--budget-basis", choices=("output", "total"), default="output",
                    help="output: completion tokens count; total: prompt + completion "
                    "(default: %(default)s)")
