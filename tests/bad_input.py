@@ -122,7 +122,9 @@ def datagen_command() -> list[str]:
 
 def base_env(redis_url: str, database_url: str) -> dict[str, str]:
     """The environment every case starts from: services of its own, nothing else set."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("DATAGEN_")}
+    # The hub's offline switches would change which tokenizer message a case gets.
+    env = {k: v for k, v in os.environ.items() if not k.startswith("DATAGEN_")
+           and k not in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")}
     env.update(DATAGEN_REDIS_URL=redis_url, DATAGEN_DATABASE_URL=database_url,
                PYTHONPATH=str(ROOT))
     return env
