@@ -29,7 +29,8 @@ def whole(least: int, most: int | None = None) -> Callable[[str], int]:
         except ValueError:
             raise argparse.ArgumentTypeError(f"{raw!r} is not a whole number") from None
         if value < least:
-            raise argparse.ArgumentTypeError(f"must be at least {least}, not {value}")
+            bound = "positive" if least == 1 else f"at least {least}"
+            raise argparse.ArgumentTypeError(f"must be {bound}, not {value}")
         if most is not None and value > most:
             raise argparse.ArgumentTypeError(f"must be at most {most}, not {value}")
         return value
@@ -50,8 +51,9 @@ def number(least: float, *, inclusive: bool = True,
         if not math.isfinite(value):
             raise argparse.ArgumentTypeError(f"{raw!r} is not a finite number")
         if value < least or (value == least and not inclusive):
-            bound = "at least" if inclusive else "above"
-            raise argparse.ArgumentTypeError(f"must be {bound} {least:g}, not {raw}")
+            bound = f"at least {least:g}" if inclusive else \
+                "positive" if least == 0 else f"above {least:g}"
+            raise argparse.ArgumentTypeError(f"must be {bound}, not {raw}")
         if most is not None and value > most:
             raise argparse.ArgumentTypeError(f"must be at most {most:g}, not {raw}")
         return value

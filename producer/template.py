@@ -78,7 +78,7 @@ def _check_hub(name: str) -> None:
     from huggingface_hub import HfApi, constants
     from huggingface_hub.errors import GatedRepoError, HFValidationError, RepositoryNotFoundError
 
-    where = f"tokenizer {name!r} is not a local directory"
+    where = f"tokenizer {name!r} not found: not a local directory"
     if constants.HF_HUB_OFFLINE:
         raise ConfigError(f"{where}, not in the Hugging Face cache, and HF_HUB_OFFLINE is "
                           "set: give the tokenizer's directory")

@@ -14,6 +14,7 @@ from enum import StrEnum
 from typing import Any, TypeVar
 
 import redis
+import sqlalchemy as sa
 
 from common.closing import after_close
 from common.db import UNAVAILABLE
@@ -134,8 +135,10 @@ def _save_alone(ctx: WorkerContext, row: ResultRow) -> bool:
 def unstorable(exc: BaseException) -> UnstorableResult:
     """The sample's own failure for an error storing its row (or building it): the same
     row would fail again, so its message must not come back for ever."""
-    cause = getattr(exc, "orig", None) or exc  # SQLAlchemy's errors carry the driver's
-    first = (str(cause).strip().splitlines() or [""])[0]
+    if not isinstance(exc, sa.exc.SQLAlchemyError):  # the row could not even be built
+        return UnstorableResult(str(exc))
+    cause = exc.orig if isinstance(exc, sa.exc.StatementError) and exc.orig else exc
+    first = (str(cause).strip().splitlines() or [""])[0]  # not SQLAlchemy's SQL and values
     return UnstorableResult(f"the result could not be stored: {type(cause).__name__}: "
                             f"{first}")
 
