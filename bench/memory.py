@@ -23,6 +23,7 @@ from typing import Any
 import redis
 
 from bench.harness import (
+    REDIS_URL,
     WORKDIR,
     Processes,
     bench_settings,
@@ -197,7 +198,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             per_task.append(redis_bytes(args, url))
         longs = {kind: long_run(procs, args, url, kind) for kind in args.long_dbs} \
             if args.long else {}
-    redis.Redis.from_url(bench_settings("", "http://x").redis_url).flushdb()
+    redis.Redis.from_url(REDIS_URL).flushdb()
     rows, figures = [], {}
     for c, runs in rss.items():
         s = {k: Summary.of([r[k] for r in runs]) for k in ("idle", "peak", "end", "rate")}

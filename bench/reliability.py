@@ -247,6 +247,14 @@ def render(results: dict[str, list[Any]], argv: Sequence[str], started: datetime
     return "\n".join([*head, *body, NOTES, "## Runs", "", *runs]).rstrip() + "\n"
 
 
+def _keep_bad_input(out: Path, text: str) -> str:
+    """``text`` with the "Bad input" section ``out`` has now: tests/bad_input.py writes it."""
+    from tests.bad_input import section_of, with_section
+
+    section = section_of(out.read_text()) if out.is_file() else ""
+    return with_section(text, section) if section else text
+
+
 def _aborted(key: str, exc: Exception) -> Any:
     from tests.faultkit_checks import Check
     from tests.faultkit_stack import Outcome
@@ -284,7 +292,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"  {len(out.faults)} faults, lost {out.check.lost}, duplicated "
                   f"{out.check.duplicated}, drift {out.check.drift}, "
                   f"{'ok' if out.check.ok else out.check.problems}", flush=True)
-    Path(args.out).write_text(render(results, argv, started, time.monotonic() - clock))
+    Path(args.out).write_text(_keep_bad_input(Path(args.out), render(
+        results, argv, started, time.monotonic() - clock)))
     print(f"reliability: wrote {args.out}")
     return 0 if all(o.check.ok for outs in results.values() for o in outs) else 1
 

@@ -12,6 +12,8 @@ import ssl
 from typing import Any
 
 from celery import Celery
+from celery.app.amqp import AMQP
+from kombu import Connection
 
 from common.keys import KOMBU_UNACKED, KOMBU_UNACKED_INDEX
 from common.settings import Settings
@@ -72,7 +74,26 @@ def celery_config(settings: Settings) -> dict[str, Any]:
     }
 
 
+class _Connection(Connection):
+    """kombu's connection, whose URL for logs shows ``:**@`` only when there is a password.
+
+    kombu masks the password field whatever it holds, so a broker without one was shown
+    as ``redis://:**@host``, as if one were set (Celery's banner and its "Connected to")."""
+
+    def as_uri(self, include_password: bool = False, mask: str = "**",
+               *args: Any, **kwargs: Any) -> str:
+        uri = str(super().as_uri(include_password, mask, *args, **kwargs))
+        if not include_password and not self.password:
+            uri = uri.replace(f":{mask}@", "", 1) if not self.userid else \
+                uri.replace(f":{mask}@", "@", 1)
+        return uri
+
+
+class _AMQP(AMQP):
+    Connection = _Connection
+
+
 def make_celery(settings: Settings, main: str = "datagen") -> Celery:
-    app = Celery(main, set_as_current=False)
+    app = Celery(main, set_as_current=False, amqp=_AMQP)
     app.conf.update(celery_config(settings))
     return app

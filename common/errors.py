@@ -10,7 +10,8 @@
         ├── TransientError     worth retrying after ``delay_s`` (timeouts, 5xx, 503 queue full)
         │   └── ServerUnreachable  no connection at all: the server, not the sample, is at fault
         └── PermanentError     retrying cannot help (4xx, malformed response)
-            └── IncompatibleServer   the server lacks output_ids or miscounts them
+            ├── IncompatibleServer   the server lacks output_ids or miscounts them
+            └── UnstorableResult     the database refused the sample's result row
 """
 
 from __future__ import annotations
@@ -69,3 +70,8 @@ class PermanentError(GenerationError):
 
 class IncompatibleServer(PermanentError):
     pass
+
+
+class UnstorableResult(PermanentError):
+    """The sample was generated, but its row is one the database refuses: sent again, it
+    would be refused again, so the sample is recorded as failed with this message."""

@@ -36,15 +36,19 @@ class Rule:
     kind: type[int] | type[float]
     says: str  # what the value must be, in SGLang's words
     ok: Callable[[float], bool]
+    what: str  # what the value is, for --help
 
 
 RULES: tuple[Rule, ...] = (
     Rule("temperature", float, "must be a non-negative finite number",
-         lambda v: math.isfinite(v) and v >= 0.0),
-    Rule("top_p", float, "must be in (0, 1]", lambda v: 0.0 < v <= 1.0),
-    Rule("top_k", int, "must be -1 (disable) or at least 1", lambda v: v == -1 or v >= 1),
-    Rule("min_p", float, "must be in [0, 1]", lambda v: 0.0 <= v <= 1.0),
-    Rule("max_new_tokens", int, "must be at least 1", lambda v: v >= 1),
+         lambda v: math.isfinite(v) and v >= 0.0, "sampling temperature"),
+    Rule("top_p", float, "must be in (0, 1]", lambda v: 0.0 < v <= 1.0,
+         "nucleus sampling mass"),
+    Rule("top_k", int, "must be -1 (disable) or at least 1", lambda v: v == -1 or v >= 1,
+         "top-k cut-off, -1 for none"),
+    Rule("min_p", float, "must be in [0, 1]", lambda v: 0.0 <= v <= 1.0, "min-p cut-off"),
+    Rule("max_new_tokens", int, "must be at least 1", lambda v: v >= 1,
+         "output cap of one request, in tokens"),
 )
 SAMPLING_KEYS = tuple(r.key for r in RULES if r.key != "max_new_tokens")
 
@@ -54,11 +58,16 @@ def as_flag(key: str) -> str:
     return "--" + key.replace("_", "-")
 
 
-def add_sampling_flags(parser: argparse.ArgumentParser, help: str | None = None) -> None:
-    """``--temperature``, ``--top-p``, ``--top-k``, ``--min-p``, each of its rule's type."""
+def add_sampling_flags(parser: argparse.ArgumentParser, help: str | None = None,
+                       defaults: Mapping[str, Any] | None = None) -> None:
+    """``--temperature``, ``--top-p``, ``--top-k``, ``--min-p``, each of its rule's type;
+    their help says what each is and, given ``defaults``, the value used without it."""
     for rule in RULES:
         if rule.key in SAMPLING_KEYS:
-            parser.add_argument(as_flag(rule.key), type=rule.kind, help=help)
+            text = help or f"{rule.what}, sent on every request"
+            if defaults is not None and rule.key in defaults:
+                text += f" (default: {defaults[rule.key]}, SGLang's own)"
+            parser.add_argument(as_flag(rule.key), type=rule.kind, help=text)
 
 
 def sampling_flags(args: argparse.Namespace) -> dict[str, Any]:

@@ -7,9 +7,12 @@ Nothing else in the project reads ``os.environ``: command-line flags override fi
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from urllib.parse import urlsplit
 
 from common.errors import ConfigError
 
@@ -20,14 +23,98 @@ ENV_PREFIX = "DATAGEN_"
 DEFAULT_DB_CONNECTIONS = 4
 
 
+# The databases datagen runs on, and the SQLAlchemy drivers it installs for them.
+DATABASES = {"sqlite": ("pysqlite",), "postgresql": ("psycopg",)}
+REDIS_SCHEMES = ("redis", "rediss", "unix")
+# The least value of each numeric setting, and whether that value itself is allowed.
+LEAST: dict[str, tuple[float, bool]] = {
+    "request_timeout_s": (0, False),
+    "connect_timeout_s": (0, False),
+    "max_attempts": (1, True),
+    "retry_base_s": (0, True),
+    "retry_max_s": (0, True),
+    "concurrency": (1, True),
+    # With one, a read made while the thread holds a connection (inside a streamed query's
+    # loop) would wait for itself until the pool's timeout.
+    "db_connections": (2, True),
+    "default_budget_tokens": (1, True),
+    "heartbeat_s": (0, False),
+    "dead_after_s": (0, False),
+    "sweep_s": (0, False),
+    "sweep_quiet_s": (0, True),
+}
+
+
+def env_name(field_name: str) -> str:
+    """The environment variable of a settings field."""
+    return ENV_PREFIX + ("SGLANG_URL" if field_name == "sglang_urls" else field_name.upper())
+
+
+def masked(url: str) -> str:
+    """``url`` with any password replaced by ``***``, for messages, parsable or not."""
+    return re.sub(r"(//[^/@:]*:)[^/@]*@", r"\1***@", url)
+
+
 def _split_urls(raw: str) -> tuple[str, ...]:
     urls = tuple(u.strip().rstrip("/") for u in raw.split(",") if u.strip())
     if not urls:
         raise ConfigError("DATAGEN_SGLANG_URL is empty: give at least one http://host:port")
-    for url in urls:
-        if not url.startswith(("http://", "https://")):
-            raise ConfigError(f"DATAGEN_SGLANG_URL entry {url!r} must start with http:// or https://")
     return urls
+
+
+def _check_http_url(url: str) -> None:
+    where = f"DATAGEN_SGLANG_URL entry {masked(url)!r}"
+    if not url.startswith(("http://", "https://")):
+        raise ConfigError(f"{where} must start with http:// or https://")
+    try:
+        parts = urlsplit(url)
+        parts.port  # noqa: B018 - parsed here so that a bad port is named now
+    except ValueError as exc:
+        raise ConfigError(f"{where} is not a URL: {exc}") from None
+    if not parts.hostname:
+        raise ConfigError(f"{where} names no host: give http://host:port")
+
+
+def check_redis_url(url: str) -> None:
+    """ConfigError unless ``url`` is a Redis URL redis-py and kombu both read the same way."""
+    where = f"DATAGEN_REDIS_URL={masked(url)!r}"
+    scheme = url.split("://", 1)[0] if "://" in url else ""
+    if scheme not in REDIS_SCHEMES:
+        raise ConfigError(f"{where} is not a Redis URL: give redis://[:password@]host:port/db "
+                          "(or rediss:// for TLS, unix:///path.sock)")
+    try:
+        parts = urlsplit(url)
+        parts.port  # noqa: B018 - parsed here so that a bad port is named now
+    except ValueError as exc:
+        raise ConfigError(f"{where} is not a Redis URL: {exc}") from None
+    db = parts.path.strip("/")
+    if scheme != "unix" and db and not db.isdigit():
+        # redis-py would quietly use database 0, kombu fail on it later.
+        raise ConfigError(f"{where}: the database after the last / must be a number, "
+                          f"not {db!r}")
+
+
+def check_database_url(url: str) -> None:
+    """ConfigError unless ``url`` names a database of ``DATABASES`` that datagen can open."""
+    from sqlalchemy.engine import make_url
+    from sqlalchemy.exc import ArgumentError
+
+    where = f"DATAGEN_DATABASE_URL={masked(url)!r}"
+    supported = "use sqlite:///path.db or postgresql://user:password@host:5432/db"
+    if url.startswith("postgres://"):
+        url = "postgresql://" + url[len("postgres://"):]
+    try:
+        parsed = make_url(url)
+        parsed.port  # noqa: B018 - parsed here so that a bad port is named now
+    except (ArgumentError, ValueError):
+        raise ConfigError(f"{where} is not a database URL; {supported}") from None
+    name, _, driver = parsed.drivername.partition("+")
+    if name not in DATABASES:
+        raise ConfigError(f"{where}: unsupported database {name!r}; datagen runs on "
+                          f"{' and '.join(DATABASES)}: {supported}")
+    if driver and driver not in DATABASES[name]:
+        raise ConfigError(f"{where}: unsupported driver {driver!r} for {name}; use "
+                          f"{name}+{DATABASES[name][0]}:// or {name}://")
 
 
 @dataclass(frozen=True)
@@ -69,11 +156,19 @@ class Settings:
     sglang_api_key: str = field(default="", repr=False)
 
     def __post_init__(self) -> None:
-        # With one, a read made while the thread holds a connection (inside a streamed
-        # query's loop) would wait for itself until the pool's timeout.
-        if self.db_connections < 2:
-            raise ConfigError(
-                f"{ENV_PREFIX}DB_CONNECTIONS={self.db_connections} must be at least 2")
+        """Every value checked once, here, whether it came from the environment, a flag or
+        code: a bad one stops the command with a message naming its variable."""
+        for name, (least, allowed) in LEAST.items():
+            value = getattr(self, name)
+            if not math.isfinite(value):
+                raise ConfigError(f"{env_name(name)}={value} is not a finite number")
+            if value < least or (value == least and not allowed):
+                bound = f"at least {least:g}" if allowed else f"above {least:g}"
+                raise ConfigError(f"{env_name(name)}={value} must be {bound}")
+        check_redis_url(self.redis_url)
+        check_database_url(self.database_url)
+        for url in self.sglang_urls:
+            _check_http_url(url)
 
     @property
     def visibility_timeout_s(self) -> int:
@@ -129,5 +224,6 @@ def _parse(name: str, raw: str, default: object) -> object:
         if isinstance(default, float):
             return float(raw)
     except ValueError:
-        raise ConfigError(f"{ENV_PREFIX}{name.upper()}={raw!r} is not a number") from None
-    return raw
+        kind = "a whole number" if isinstance(default, int) else "a number"
+        raise ConfigError(f"{env_name(name)}={raw!r} is not {kind}") from None
+    return raw.strip()

@@ -18,6 +18,7 @@ from common.errors import UnknownDatasetError
 from common.rows import NewPrompt, ResultRow
 from common.schema import datasets, meta, prompt_inputs, prompts, results, utcnow
 from common.settings import DEFAULT_DB_CONNECTIONS
+from common.sqltext import storable, storable_or_none
 
 
 @dataclass(frozen=True)
@@ -96,6 +97,15 @@ _RESULT_COLUMNS = _columns(results, ResultRow)
 def _values(row: Any, columns: tuple[str, ...], **extra: Any) -> dict[str, Any]:
     """A typed row's parameters for ``columns``, with ``extra`` ones (its timestamps)."""
     return {**{c: getattr(row, c) for c in columns}, **extra}
+
+
+def _result_values(row: ResultRow, now: datetime) -> dict[str, Any]:
+    """A result's parameters; its text as both databases hold it (common/sqltext.py)."""
+    return _values(row, _RESULT_COLUMNS, created_at=now, output_text=storable(row.output_text))
+
+
+def _error_text(error: str) -> str:
+    return storable(error[:4000])
 
 
 def _by_keys(table: sa.Table, n: int) -> sa.ColumnElement[bool]:
@@ -279,7 +289,8 @@ class Store:
         into_prompts, into_inputs, _ = self._inserts
         with self.engine.begin() as conn:
             conn.execute(into_prompts, [_values(r, _PROMPT_COLUMNS, created_at=now,
-                                                updated_at=now) for r in rows])
+                                                updated_at=now, error=storable_or_none(r.error))
+                                        for r in rows])
             conn.execute(into_inputs, [_values(r, _PROMPT_INPUT_COLUMNS) for r in rows])
 
     def refresh_statistics(self) -> None:
@@ -360,7 +371,7 @@ class Store:
             conn.execute(
                 prompts.update()
                 .where(*where)
-                .values(attempts=attempts, error=error[:4000], updated_at=utcnow())
+                .values(attempts=attempts, error=_error_text(error), updated_at=utcnow())
             )
             return int(conn.scalar(sa.select(prompts.c.attempts).where(*where)) or 0)
 
@@ -370,7 +381,7 @@ class Store:
                 prompts.update()
                 .where(prompts.c.dataset == dataset, prompts.c.sample_id == sample_id)
                 .where(prompts.c.state != "done")
-                .values(state="failed", error=error[:4000], updated_at=utcnow())
+                .values(state="failed", error=_error_text(error), updated_at=utcnow())
             )
 
     def prompt_counts(self, dataset: str) -> dict[str, int]:
@@ -398,8 +409,7 @@ class Store:
         *_, into_results = self._inserts
         keys = dict.fromkeys(r.key for r in rows)
         with self.engine.begin() as conn:
-            stored = conn.execute(into_results, [_values(r, _RESULT_COLUMNS, created_at=now)
-                                                 for r in rows])
+            stored = conn.execute(into_results, [_result_values(r, now) for r in rows])
             inserted = {(dataset, sample_id) for dataset, sample_id in stored}
             conn.execute(_mark_done(len(keys)), {"now": now, **_key_params(keys)})
         return inserted

@@ -17,6 +17,8 @@ from typing import Any
 from common.errors import ConfigError
 
 _REMOTE_CODE_FLAG = "--trust-remote-code (DATAGEN_TRUST_REMOTE_CODE=1)"
+# How long the hub may take to say whether a model id exists before it counts as away.
+HUB_TIMEOUT_S = 10.0
 
 
 def code_class(folder: Path) -> str | None:
@@ -65,6 +67,13 @@ def load_tokenizer(name: str, trust_remote_code: bool = False) -> Any:
                 f"tokenizer directory {name!r} holds no loadable tokenizer files ({exc})"
             ) from exc
     try:
+        # A model id downloaded before loads from the cache, with or without a network.
+        return AutoTokenizer.from_pretrained(name, local_files_only=True,
+                                             trust_remote_code=trust_remote_code)
+    except Exception:  # not cached (or not complete): the hub decides below
+        pass
+    _check_hub(name)
+    try:
         return AutoTokenizer.from_pretrained(name, trust_remote_code=trust_remote_code)
     except Exception as exc:
         if not trust_remote_code and "trust_remote_code" in str(exc):
@@ -73,3 +82,30 @@ def load_tokenizer(name: str, trust_remote_code: bool = False) -> Any:
             f"tokenizer {name!r} not found: not a local directory and could not be loaded "
             f"as a model id ({type(exc).__name__}: {exc})"
         ) from exc
+
+
+def _check_hub(name: str) -> None:
+    """ConfigError at once when the hub cannot give ``name``: offline, unreachable, or no
+    such model. transformers would retry each of its files for about 50 s first."""
+    from huggingface_hub import HfApi, constants
+    from huggingface_hub.errors import GatedRepoError, HFValidationError, RepositoryNotFoundError
+
+    where = f"tokenizer {name!r} not found: not a local directory"
+    if constants.HF_HUB_OFFLINE:
+        raise ConfigError(f"{where}, not in the Hugging Face cache, and HF_HUB_OFFLINE is "
+                          "set: give the tokenizer's directory")
+    try:
+        HfApi().model_info(name, timeout=HUB_TIMEOUT_S)
+    except HFValidationError:
+        raise ConfigError(f"{where} nor a model id (namespace/name)") from None
+    except GatedRepoError:
+        raise ConfigError(f"{where}, and model {name!r} on {constants.ENDPOINT} is gated: "
+                          "accept its terms and log in (hf auth login)") from None
+    except RepositoryNotFoundError:
+        raise ConfigError(f"{where}, and {constants.ENDPOINT} has no model {name!r} (or "
+                          "it is private: log in with hf auth login)") from None
+    except Exception as exc:  # the hub's client raises its transport's errors as they are
+        raise ConfigError(f"{where}, not in the Hugging Face cache, and {constants.ENDPOINT} "
+                          f"does not answer ({type(exc).__name__}: {exc}): give the "
+                          "tokenizer's directory, or set HF_HUB_OFFLINE=1 to use the "
+                          "cache only") from None

@@ -16,36 +16,55 @@ from common.errors import (
 )
 from common.sampling_rules import add_sampling_flags
 from common.settings import Settings
+from ops.argtypes import Parser, whole
 
 
 def _add_enqueue(sub: argparse._SubParsersAction) -> None:
+    from producer.plan import DEFAULT_SAMPLING
+
     p = sub.add_parser("enqueue", help="template, store and enqueue prompt files")
     p.add_argument("paths", nargs="*", help="JSONL files or folders of *.jsonl")
-    p.add_argument("--manifest", help="TOML file: per dataset its files, budget, policy, ...")
-    p.add_argument("--tokenizer", help="tokenizer directory or model id (DATAGEN_TOKENIZER)")
+    p.add_argument("--manifest", help="TOML file: per dataset its files, budget, policy, ... "
+                   "(default: none; the datasets are the PATHs' files)")
+    p.add_argument("--tokenizer", help="tokenizer directory or model id (default: "
+                   "DATAGEN_TOKENIZER, else the bundled test tokenizer)")
     p.add_argument("--trust-remote-code", action="store_true", default=None,
                    help="load a tokenizer whose class is Python code in its folder, which "
-                        "runs that code (DATAGEN_TRUST_REMOTE_CODE)")
-    p.add_argument("--max-seq-len", type=int, default=32768)
-    p.add_argument("--max-new-tokens", type=int, default=16384)
-    add_sampling_flags(p)
-    p.add_argument("--chat-template-kwargs", default="{}", help='JSON, e.g. {"thinking": true}')
-    p.add_argument("--budget-tokens", default=None, help="per dataset, e.g. 10M (default 10M)")
-    p.add_argument("--budget-basis", choices=("output", "total"), default="output")
-    p.add_argument("--policy", choices=("drain", "abort", "exact"), default="drain")
-    p.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
+                        "runs that code (default: DATAGEN_TRUST_REMOTE_CODE, off)")
+    p.add_argument("--max-seq-len", type=whole(2), default=32768,
+                   help="prompt + output limit in tokens (default: %(default)s)")
+    p.add_argument("--max-new-tokens", type=whole(1), default=16384,
+                   help="output cap of one request, in tokens (default: %(default)s)")
+    add_sampling_flags(p, defaults=DEFAULT_SAMPLING)
+    p.add_argument("--chat-template-kwargs", default="{}",
+                   help='JSON object for the chat template, e.g. {"thinking": true} '
+                   "(default: %(default)s)")
+    p.add_argument("--budget-tokens", default=None, help="tokens per dataset, counted on "
+                   "--budget-basis, e.g. 10000000, 10M or 500k (default: "
+                   "DATAGEN_DEFAULT_BUDGET_TOKENS, 10M)")
+    p.add_argument("--budget-basis", choices=("output", "total"), default="output",
+                   help="output: completion tokens count; total: prompt + completion "
+                   "(default: %(default)s)")
+    p.add_argument("--policy", choices=("drain", "abort", "exact"), default="drain",
+                   help="requests in flight when a dataset closes: drain keeps them, abort "
+                   "drops them, exact cuts to the budget (default: %(default)s)")
+    p.add_argument("-q", "--quiet", action="store_true",
+                   help="no progress bar (default: a bar on a terminal)")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = Parser(
         prog="datagen",
         description="Regenerate a model's responses per dataset under exact token budgets.",
     )
     sub = parser.add_subparsers(dest="command", required=True)
     _add_enqueue(sub)
     w = sub.add_parser("worker", help="run a Celery worker (threads pool)")
-    w.add_argument("--concurrency", "-c", type=int, help="requests in flight (default 64)")
-    w.add_argument("--loglevel", default="INFO")
+    w.add_argument("--concurrency", "-c", type=whole(1),
+                   help="requests in flight (default: DATAGEN_CONCURRENCY, 64)")
+    w.add_argument("--loglevel", default="INFO", type=str.upper,
+                   choices=("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"),
+                   help="(default: %(default)s)")
     w.add_argument("--hostname", "-n", help="worker name (default datagen@<host>)")
     sub.add_parser("sim", help="run the SGLang-compatible simulator (datagen sim --help)")
     sub.add_parser("healthcheck", help="exit 0 when healthy: worker | sglang [--wait S] | http URL")
@@ -67,8 +86,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_plan_parser(sub)
     add_retry_parser(sub)
     d = sub.add_parser("demo", help="the whole job on embedded defaults: simulator, SQLite")
-    d.add_argument("--workers", type=int, default=1)
-    d.add_argument("--concurrency", type=int, default=32)
+    d.add_argument("--workers", type=whole(1), default=1, help="(default: %(default)s)")
+    d.add_argument("--concurrency", type=whole(1), default=32, help="(default: %(default)s)")
     return parser
 
 
@@ -80,7 +99,7 @@ def dispatch(args: argparse.Namespace, settings: Settings) -> int:
     if args.command == "worker":
         from workers.command import run_worker
 
-        return run_worker(args)
+        return run_worker(args, settings)
     if args.command == "status":
         from ops.status import run_status
 

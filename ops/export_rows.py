@@ -17,6 +17,7 @@ import sqlalchemy as sa
 
 from common.schema import prompt_inputs, prompts, results
 from common.store import Store, as_utc
+from ops.export_text import OriginalText
 
 BATCH_ROWS = 1000
 # Lookups by sample id stay under SQLite's historical 999 bound-parameter limit.
@@ -100,21 +101,23 @@ def iter_rows(store: Store, dataset: str, upto_id: int) -> Iterator[ExportRow]:
         .where(results.c.dataset == dataset, results.c.id <= upto_id)
         .order_by(results.c.id)
     )
+    original = OriginalText(store, dataset)
     with store.engine.connect() as conn:
         stream = conn.execution_options(yield_per=BATCH_ROWS).execute(q)
         for r in stream:
-            yield _row(r)
+            yield original(_row(r))
 
 
 def lookup_rows(store: Store, dataset: str, sample_ids: Sequence[str]) -> dict[str, ExportRow]:
     """The results of these sample ids (those stored), keyed by sample id."""
     found: dict[str, ExportRow] = {}
+    original = OriginalText(store, dataset)
     unique = list(dict.fromkeys(sample_ids))
     with store.engine.connect() as conn:
         for start in range(0, len(unique), LOOKUP_CHUNK):
             chunk = unique[start : start + LOOKUP_CHUNK]
             q = _select().where(results.c.dataset == dataset, results.c.sample_id.in_(chunk))
             for r in conn.execute(q):
-                row = _row(r)
+                row = original(_row(r))
                 found[row.sample_id] = row
     return found

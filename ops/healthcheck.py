@@ -27,6 +27,7 @@ import requests
 from common.errors import ConfigError
 from common.services import safe_url
 from common.settings import Settings
+from ops.argtypes import Parser, number, whole
 
 HEALTHY, UNHEALTHY = 0, 1
 #: Each check must answer well inside Docker's healthcheck timeout.
@@ -133,22 +134,24 @@ def _run_http(args: argparse.Namespace, _settings: Settings) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = Parser(
         prog="datagen healthcheck",
         description="Container health checks; exit 0 when healthy, 1 when not.",
     )
     sub = parser.add_subparsers(dest="check", required=True)
     sub.add_parser("worker", help="Redis answers PING and the database answers SELECT 1")
     sg = sub.add_parser("sglang", help="every DATAGEN_SGLANG_URL server answers /health")
-    sg.add_argument("--wait", type=float, default=0.0, metavar="SECONDS",
+    sg.add_argument("--wait", type=number(0), default=0.0, metavar="SECONDS",
                     help="poll until healthy, up to this long (default: check once)")
-    sg.add_argument("--interval", type=float, default=5.0, metavar="SECONDS",
+    sg.add_argument("--interval", type=number(0, inclusive=False),
+                    default=5.0, metavar="SECONDS",
                     help="pause between two polls (default 5)")
     sg.add_argument("then", nargs=argparse.REMAINDER, metavar="-- COMMAND",
                     help="once healthy, exec this command (e.g. -- datagen worker)")
     h = sub.add_parser("http", help="GET URL answers the expected status")
     h.add_argument("url")
-    h.add_argument("--status", type=int, default=200, help="expected status (default 200)")
+    h.add_argument("--status", type=whole(100, 599), default=200,
+                   help="expected status (default 200)")
     return parser
 
 

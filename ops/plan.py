@@ -45,6 +45,7 @@ from common.console import make_console
 from common.settings import Settings
 from common.store import DatasetRow, Store
 from ops import progress
+from ops.argtypes import number, whole
 from ops.progress import MIN_OBSERVED, PLAN_WINDOW_S, Mean, ResultSums, estimate_mean
 
 
@@ -203,22 +204,11 @@ def as_json(rows: list[DatasetPlan], total: PlanTotal) -> dict[str, Any]:
             "total": asdict(total) | hours(total.hours)}
 
 
-def _positive(kind: type[int] | type[float]) -> Any:
-    def parse(raw: str) -> int | float:
-        value = kind(raw)  # a ValueError becomes argparse's "invalid int value: 'x'"
-        if value <= 0:
-            raise argparse.ArgumentTypeError(f"{raw!r} must be positive")
-        return value
-
-    parse.__name__ = kind.__name__
-    return parse
-
-
 def add_plan_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p = sub.add_parser("plan", help="samples each budget buys, tokens and hours still to go")
-    p.add_argument("--mean-tokens", type=_positive(int), metavar="N",
+    p.add_argument("--mean-tokens", type=whole(1), metavar="N",
                    help=f"output tokens per sample for datasets with < {MIN_OBSERVED} results")
-    p.add_argument("--tok-per-s", type=_positive(float), metavar="N",
+    p.add_argument("--tok-per-s", type=number(0, inclusive=False), metavar="N",
                    help="server output tokens/s (default: observed over the last 10 minutes)")
     p.add_argument("--json", action="store_true")
     return p

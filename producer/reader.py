@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -19,9 +20,13 @@ from typing import Any, BinaryIO
 
 from common.errors import InputError
 from common.names import validate_dataset_name
+from common.schema import prompts
 from producer.tools import BadShape, Message, check_tool_replies, tool_calls, tools_list
 
 MAX_LINE_BYTES = 16 * 1024 * 1024
+MAX_ID_CHARS: int = prompts.c.sample_id.type.length  # type: ignore[attr-defined]
+# A JSON escape of a UTF-16 surrogate: the only way a lone one, which is not text, gets in.
+_SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")
 MAX_PROBLEMS = 1000
 _SKIP_CHUNK = 1024 * 1024
 
@@ -188,7 +193,20 @@ def _parse(line: bytes, first_line: bool) -> dict[str, Any]:
         raise _BadLine(f"invalid JSON: {exc}") from None
     if not isinstance(obj, dict):
         raise _BadLine(f"not a JSON object (got {type(obj).__name__})")
+    if _SURROGATE_ESCAPE.search(text):
+        _no_lone_surrogate(obj)
     return obj
+
+
+def _no_lone_surrogate(obj: Any) -> None:
+    """A surrogate escape not paired into one character (``"\\ud800"``) is no Unicode
+    text: no tokenizer can encode it, and no database store it."""
+    try:
+        json.dumps(obj, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError as exc:
+        bad = exc.object[exc.start:exc.end].encode("unicode_escape").decode()
+        raise _BadLine(f"a string holds a lone UTF-16 surrogate ({bad}), which is not "
+                       "text") from None
 
 
 def _prompt_messages(obj: dict[str, Any]) -> tuple[Message, ...]:
@@ -267,6 +285,11 @@ def _sample_id(
     sample_id = str(raw)
     if not sample_id:
         raise _BadLine("'id' is empty")
+    if "\x00" in sample_id:
+        raise _BadLine("'id' holds a NUL character (\\u0000), which no database key can hold")
+    if len(sample_id) > MAX_ID_CHARS:
+        raise _BadLine(f"'id' is {len(sample_id)} characters long, over the limit of "
+                       f"{MAX_ID_CHARS}")
     return sample_id
 
 

@@ -38,6 +38,9 @@ class SimConfig:
     tokenizer: str | None = None
     #: Load a tokenizer whose class is Python code in its folder (runs that code).
     trust_remote_code: bool = False
+    #: Every Nth output token is the vocabulary's NUL token (the byte 0), which a real model
+    #: can emit; 0: never. For tests of text that SQL cannot hold as it is.
+    nul_every: int = 0
     #: JSONL file that gets one line per finished /generate request.
     request_log: str | None = None
     #: Waiting-queue bound; a request beyond it gets SGLang's 503. None = unbounded.

@@ -37,6 +37,7 @@ class Vocab(Protocol):
 
     eos_id: int
     think_id: int | None
+    nul_id: int | None
 
     def content_ids(self, seed: bytes, n: int) -> list[int]:
         """n ordinary ids drawn deterministically (and prefix-stably) from seed."""
@@ -84,8 +85,9 @@ class OutputModel:
     """Plans completions and decodes them, caching decoded text per prompt."""
 
     def __init__(self, mean_output_tokens: int, tokenizer_dir: str | None = None,
-                 trust_remote_code: bool = False) -> None:
+                 trust_remote_code: bool = False, nul_every: int = 0) -> None:
         self.mean_output_tokens = max(1, int(mean_output_tokens))
+        self.nul_every = nul_every
         self.vocab: Vocab = (load_vocab(tokenizer_dir, trust_remote_code) if tokenizer_dir
                              else PlainVocab())
         self._mu = math.log(self.mean_output_tokens) - _LOGNORMAL_SIGMA**2 / 2
@@ -107,6 +109,10 @@ class OutputModel:
         natural = max_new_tokens + 1 if ignore_eos else self.natural_length(digest)
         n = min(natural, max_new_tokens)
         ids = self.vocab.content_ids(digest, n)
+        nul_id = self.vocab.nul_id
+        if self.nul_every > 0 and nul_id is not None:
+            ids[self.nul_every - 1 :: self.nul_every] = [nul_id] * len(
+                range(self.nul_every - 1, n, self.nul_every))
         think_pos = self._think_position(natural, ignore_eos)
         think_id = self.vocab.think_id
         if think_id is not None and think_pos is not None and think_pos < n:

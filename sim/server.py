@@ -138,6 +138,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--disconnect-rate", type=float, default=d.disconnect_rate)
     p.add_argument("--latency-s", type=float, default=d.latency_s)
     p.add_argument("--seed", type=int, default=d.seed, help="seed of the fault injection")
+    p.add_argument("--nul-every", type=int, default=d.nul_every, metavar="N",
+                   help="every Nth output token is the NUL byte's token (default: never)")
     p.add_argument("--access-log", action="store_true", help="log every HTTP request")
     gpu = p.add_argument_group("GPU physics (--physics gpu)")
     gpu.add_argument(
@@ -172,9 +174,26 @@ def _positive_float(raw: str) -> float:
     return value
 
 
+# The least value of each numeric flag (and the most, where there is one).
+_BOUNDS: dict[str, tuple[float, float | None]] = {
+    "port": (0, 65535), "max_running_requests": (1, None), "decode_tok_per_s": (0, None),
+    "mean_output_tokens": (1, None), "context_length": (2, None),
+    "max_queued_requests": (0, None), "error_rate": (0, 1), "error_status": (100, 599),
+    "disconnect_rate": (0, 1), "latency_s": (0, None), "nul_every": (0, None),
+    "kv_tokens": (1, None),
+}
+
+
 def config_from_args(argv: list[str] | None) -> SimConfig:
-    """Parse CLI args into a SimConfig."""
-    args = build_parser().parse_args(argv)
+    """Parse CLI args into a SimConfig; a value out of its range is argparse's error."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    for name, (least, most) in _BOUNDS.items():
+        value = getattr(args, name)
+        if value is not None and not (least <= value and (most is None or value <= most)):
+            span = f"at least {least:g}" if most is None else f"from {least:g} to {most:g}"
+            parser.exit(2, f"{parser.prog}: error: --{name.replace('_', '-')} must be {span}, "
+                           f"not {value:g}\n")
     return SimConfig(
         **{f.name: getattr(args, f.name) for f in fields(SimConfig) if hasattr(args, f.name)}
     )

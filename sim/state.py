@@ -21,7 +21,7 @@ class SimState:
     def __init__(self, cfg: SimConfig) -> None:
         self.cfg = cfg
         self.outputs = OutputModel(cfg.mean_output_tokens, cfg.tokenizer,
-                                   cfg.trust_remote_code)
+                                   cfg.trust_remote_code, nul_every=cfg.nul_every)
         self.injector = FaultInjector(cfg)
         self.engine: Engine | GpuEngine = (
             GpuEngine(cfg, self.injector) if cfg.physics == "gpu" else Engine(cfg, self.injector)

@@ -20,6 +20,7 @@ from typing import Any
 PLAIN_EOS_ID = 2
 PLAIN_THINK_ID = 3
 PLAIN_THINK_TEXT = "</think>"
+PLAIN_NUL_ID = 4  # decodes to the byte 0, as a byte-level vocabulary's token for it does
 PLAIN_LOW, PLAIN_HIGH = 10, 32000
 _EOS_FALLBACKS = ("<|im_end|>", "<|endoftext|>", "</s>", "<eos>")
 
@@ -38,6 +39,7 @@ class PlainVocab:
 
     eos_id: int = PLAIN_EOS_ID
     think_id: int | None = PLAIN_THINK_ID
+    nul_id: int | None = PLAIN_NUL_ID
 
     def content_ids(self, seed: bytes, n: int) -> list[int]:
         """n ids in [PLAIN_LOW, PLAIN_HIGH)."""
@@ -47,8 +49,15 @@ class PlainVocab:
     def decode(self, ids: list[int]) -> str:
         """Space-joined "t<id>" words and `</think>`; EOS is special and skipped, like
         SGLang's detokenizer (`</think>` is not special in reasoning tokenizers: it stays)."""
-        return " ".join(PLAIN_THINK_TEXT if i == PLAIN_THINK_ID else f"t{i}"
-                        for i in ids if i != PLAIN_EOS_ID)
+        return " ".join(_plain_word(i) for i in ids if i != PLAIN_EOS_ID)
+
+
+def _plain_word(token_id: int) -> str:
+    if token_id == PLAIN_THINK_ID:
+        return PLAIN_THINK_TEXT
+    if token_id == PLAIN_NUL_ID:
+        return "\x00"
+    return f"t{token_id}"
 
 
 class _CodeTokenizer:
@@ -103,6 +112,7 @@ class TokenizerVocab:
         self.tokenizer = _open_tokenizer(root, trust_remote_code)
         self.eos_id = self._find_eos(root)
         self.think_id: int | None = self.tokenizer.token_to_id("</think>")
+        self.nul_id: int | None = None
         self.pool = self._ordinary_ids()
         if not self.pool:
             raise ValueError(f"{directory}: tokenizer has no ordinary tokens to draw from")
@@ -129,6 +139,8 @@ class TokenizerVocab:
         size = self.tokenizer.get_vocab_size(with_added_tokens=True)
         candidates = [i for i in range(size) if i not in added]
         texts = self.tokenizer.decode_batch([[i] for i in candidates])
+        self.nul_id = next((i for i, text in zip(candidates, texts, strict=True)
+                            if text == "\x00"), None)
         keep = [
             i
             for i, text in zip(candidates, texts, strict=True)

@@ -7,6 +7,8 @@ import logging
 import os
 import socket
 
+from common.settings import Settings
+
 APP = "workers.celery:app"
 
 
@@ -27,7 +29,7 @@ def worker_argv(args: argparse.Namespace) -> list[str]:
     return argv
 
 
-def run_worker(args: argparse.Namespace) -> int:
+def run_worker(args: argparse.Namespace, settings: Settings) -> int:
     # One line per task received and per task done is noise at hundreds of tasks a second;
     # `datagen status` is the progress view. Failures and retries still log.
     for name in ("celery.app.trace", "celery.worker.strategy"):

@@ -14,13 +14,15 @@ from enum import StrEnum
 from typing import Any, TypeVar
 
 import redis
+import sqlalchemy as sa
 
 from common.closing import after_close
 from common.db import UNAVAILABLE
-from common.errors import TransientError
+from common.errors import TransientError, UnstorableResult
 from common.ledger import Admission, Charge
 from common.reconcile import reconcile_dataset
 from common.rids import new_rid
+from common.rows import ResultRow
 from common.sglang_client import Completion
 from common.store import DatasetRow, PromptRow
 from workers.context import WorkerContext
@@ -100,9 +102,9 @@ def keep(ctx: WorkerContext, ds: DatasetRow, sample_id: str, completion: Complet
         return Outcome.DISCARDED
     if row is not None and isinstance(settled.error, UNAVAILABLE):
         # Charged, but the database was away: store this row alone once it is back.
-        inserted = wait_out_outage(lambda: ctx.results.save(row))
+        inserted = _save_alone(ctx, row)
     elif settled.error is not None:
-        raise settled.error
+        raise unstorable(settled.error) from settled.error
     else:
         inserted = settled.inserted
     if charge.status is Charge.DUPLICATE and inserted and row is not None:
@@ -119,6 +121,26 @@ def keep(ctx: WorkerContext, ds: DatasetRow, sample_id: str, completion: Complet
                                           app=ctx.app, client=ctx.client),
                       retry_on=(*UNAVAILABLE, redis.RedisError))
     return Outcome.DONE if inserted else Outcome.DUPLICATE
+
+
+def _save_alone(ctx: WorkerContext, row: ResultRow) -> bool:
+    try:
+        return wait_out_outage(lambda: ctx.results.save(row))
+    except UNAVAILABLE:
+        raise
+    except Exception as exc:
+        raise unstorable(exc) from exc
+
+
+def unstorable(exc: BaseException) -> UnstorableResult:
+    """The sample's own failure for an error storing its row (or building it): the same
+    row would fail again, so its message must not come back for ever."""
+    if not isinstance(exc, sa.exc.SQLAlchemyError):  # the row could not even be built
+        return UnstorableResult(str(exc))
+    cause = exc.orig if isinstance(exc, sa.exc.StatementError) and exc.orig else exc
+    first = (str(cause).strip().splitlines() or [""])[0]  # not SQLAlchemy's SQL and values
+    return UnstorableResult(f"the result could not be stored: {type(cause).__name__}: "
+                            f"{first}")
 
 
 def _settle_finished(ctx: WorkerContext, dataset: str, prompt: PromptRow) -> Outcome:
