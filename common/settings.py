@@ -42,6 +42,8 @@ LEAST: dict[str, tuple[float, bool]] = {
     "dead_after_s": (0, False),
     "sweep_s": (0, False),
     "sweep_quiet_s": (0, True),
+    "start_wait_s": (0, False),
+    "stop_after_failures": (0, True),
 }
 
 
