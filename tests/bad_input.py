@@ -178,7 +178,8 @@ def section_of(doc: str) -> str:
     if start < 0:
         return ""
     end = doc.find("\n## ", start + len(HEADING))
-    return doc[start:] if end < 0 else doc[start:end + 1]
+    # Up to its last line: the blank line before the next heading is the document's.
+    return (doc[start:] if end < 0 else doc[start:end]).rstrip("\n") + "\n"
 
 
 def with_section(doc: str, section: str, before: str = "## Runs") -> str:
