@@ -25,7 +25,7 @@ from collections.abc import Callable, Sequence
 import requests
 
 from common.errors import ConfigError
-from common.services import safe_url
+from common.services import database_problem, redis_problem, safe_url
 from common.settings import Settings
 from ops.argtypes import Parser, number, whole
 
@@ -36,40 +36,14 @@ CHECK_TIMEOUT_S = 3.0
 
 def check_redis(settings: Settings) -> str | None:
     """None when Redis answers PING, else why not."""
-    import redis
-
-    client = redis.Redis.from_url(
-        settings.redis_url,
-        socket_connect_timeout=CHECK_TIMEOUT_S,
-        socket_timeout=CHECK_TIMEOUT_S,
-    )
-    try:
-        client.ping()
-    except redis.RedisError as exc:
-        return f"Redis at {safe_url(settings.redis_url)}: {exc}"
-    finally:
-        client.close()
-    return None
+    why = redis_problem(settings.redis_url, CHECK_TIMEOUT_S)
+    return None if why is None else f"Redis at {safe_url(settings.redis_url)}: {why}"
 
 
 def check_database(settings: Settings) -> str | None:
     """None when the database answers SELECT 1, else why not (no schema is created)."""
-    import sqlalchemy as sa
-
-    from common.db import sqlalchemy_url
-
-    url = sqlalchemy_url(settings.database_url)
-    connect_args = {"connect_timeout": int(CHECK_TIMEOUT_S)} if "+psycopg" in url else {}
-    engine = sa.create_engine(url, connect_args=connect_args, poolclass=sa.pool.NullPool)
-    try:
-        with engine.connect() as conn:
-            conn.execute(sa.text("SELECT 1"))
-    except sa.exc.SQLAlchemyError as exc:
-        reason = str(getattr(exc, "orig", None) or exc).strip().splitlines()[0]
-        return f"database {safe_url(settings.database_url)}: {reason}"
-    finally:
-        engine.dispose()
-    return None
+    why = database_problem(settings.database_url, CHECK_TIMEOUT_S)
+    return None if why is None else f"database {safe_url(settings.database_url)}: {why}"
 
 
 def http_problem(url: str, status: int = 200, headers: dict[str, str] | None = None) -> str | None:

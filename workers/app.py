@@ -20,12 +20,13 @@ from common.db import UNAVAILABLE
 from common.errors import ServiceUnavailable, StoreMismatch
 from common.publish import Publisher
 from common.reconcile import reconcile_all
+from common.services import short_reason
 from common.settings import Settings
 from workers.context import get_context
 from workers.liveness import Heartbeat, Received
 from workers.queues import DatasetQueues
 from workers.recovery import recover
-from workers.startup import short_reason, wait_for_services, watch_sglang
+from workers.startup import wait_for_services, watch_sglang
 from workers.tasks import register_tasks
 
 log = logging.getLogger("datagen.worker")

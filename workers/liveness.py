@@ -45,10 +45,10 @@ from common.messages import unacked_entry
 from common.pairing import pair
 from common.publish import Publisher
 from common.replies import texts
+from common.services import short_reason
 from common.settings import Settings
 from workers.context import get_context
 from workers.recovery import recover
-from workers.startup import short_reason
 
 log = logging.getLogger(__name__)
 AWAY_NOTE_S = 15.0

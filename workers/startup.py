@@ -10,17 +10,12 @@ is then an exit its supervisor sees, not a worker that waits for ever.
 from __future__ import annotations
 
 import logging
-import os
 import threading
 import time
 from collections.abc import Callable
 
-import redis
-import sqlalchemy as sa
-
-from common.db import sqlalchemy_url
 from common.errors import ServiceUnavailable
-from common.services import safe_url
+from common.services import database_problem, redis_problem, safe_url
 from common.settings import Settings
 
 log = logging.getLogger("datagen.worker")
@@ -29,55 +24,8 @@ NOTE_EVERY_S = 15.0
 # many minutes to load). A line says so this often until every server answers.
 SGLANG_NOTE_S = 30.0
 POLL_S = 1.0
-PROBE_TIMEOUT_S = 3.0
 
 Probe = Callable[[str], "str | None"]
-
-
-def short_reason(exc: BaseException) -> str:
-    """Why a connection failed, in a few words: "connection refused" rather than a
-    driver's sentence, else the first line of its message."""
-    seen: BaseException | None = exc
-    while seen is not None:
-        if isinstance(seen, OSError) and seen.errno:
-            return os.strerror(seen.errno).lower()
-        if isinstance(seen, TimeoutError):
-            return "timed out"
-        seen = seen.__cause__ or seen.__context__
-    lines = str(getattr(exc, "orig", None) or exc).strip().splitlines()
-    if not lines:
-        return type(exc).__name__
-    # libpq: 'connection failed: connection to server at "h", port 5432 failed: FATAL:  why'
-    why = lines[0].rsplit("failed: ", 1)[-1].removeprefix("FATAL:").strip() or lines[0]
-    return why[:1].lower() + why[1:]
-
-
-def redis_problem(url: str) -> str | None:
-    """None when Redis answers PING, else why not."""
-    client = redis.Redis.from_url(url, socket_connect_timeout=PROBE_TIMEOUT_S,
-                                  socket_timeout=PROBE_TIMEOUT_S)
-    try:
-        client.ping()
-    except redis.RedisError as exc:
-        return short_reason(exc)
-    finally:
-        client.close()
-    return None
-
-
-def database_problem(url: str) -> str | None:
-    """None when the database answers SELECT 1, else why not (no schema is created)."""
-    full = sqlalchemy_url(url)
-    connect_args = {"connect_timeout": int(PROBE_TIMEOUT_S)} if "+psycopg" in full else {}
-    engine = sa.create_engine(full, connect_args=connect_args, poolclass=sa.pool.NullPool)
-    try:
-        with engine.connect() as conn:
-            conn.exec_driver_sql("SELECT 1")
-    except sa.exc.SQLAlchemyError as exc:
-        return short_reason(exc)
-    finally:
-        engine.dispose()
-    return None
 
 
 def services(settings: Settings) -> list[tuple[str, str, str, Probe]]:
