@@ -32,6 +32,7 @@ BENCHES: tuple[tuple[str, str, tuple[str, ...], tuple[str, ...]], ...] = (
     ("scaling", "bench.scaling", (), ()),
     ("producer", "bench.producer_rate", (), ("--profile",)),
     ("hotpath", "bench.hotpath", (), ()),
+    ("routing", "bench.routing", (), ()),
 )
 BENCH_TIMEOUT_S = 3600
 

@@ -54,6 +54,13 @@ def _overhead_per_core(r: Any) -> list[Row]:
     return _overhead(r, "overhead-per-core", f", {n if n else '?'} worker processes")
 
 
+def _routing(r: Any) -> list[Row]:
+    return [_row("routing", "load-aware, output tok/s / capacity", _med(r, "ratio"), ".3f",
+                 ">= 0.95", lambda v: v >= 0.95),
+            _row("routing", "round robin, % of capacity",
+                 _med(r, "round robin", "pct_of_capacity"), ".1f", "-", None)]
+
+
 def _producer(r: Any) -> list[Row]:
     return [_row("producer", "prompts/s (SQLite)", _med(r, "sqlite", "rate"), ",.0f",
                  ">= 5,000", lambda v: v >= 5000)]
@@ -123,7 +130,7 @@ def _scaling(r: Any) -> list[Row]:
 EXTRACTORS: dict[str, Callable[[Any], list[Row]]] = {
     "saturation": _saturation, "overhead": _overhead,
     "overhead-per-core": _overhead_per_core, "producer": _producer, "guard": _guard,
-    "overshoot": _overshoot, "memory": _memory, "scaling": _scaling,
+    "overshoot": _overshoot, "memory": _memory, "scaling": _scaling, "routing": _routing,
 }
 
 

@@ -35,6 +35,11 @@ No other module spells a key string; tests import these functions too.
                                                   Redis from SQL: when (unix s);
                                                   absent = Redis lost its data
     datagen:rebuilding                    string  the worker rebuilding it now     2 min
+    datagen:server_loads                  hash    the worker polling the servers:  2 x poll
+                                                  server URL -> its /v1/loads,     interval
+                                                  as ServerLoad JSON (server_loads.py)
+    datagen:server_loads:poll             string  the worker polling them now      1 poll
+                                                                                   interval
     datagen.q.{name} (+ kombu's \\x06\\x16{3,6,9} priority lists)
                                           list    kombu (Celery's Redis transport)
     unacked                               hash    kombu: delivery tag -> message  none
@@ -60,6 +65,9 @@ SWEEPER_LOCK = f"{PREFIX}:sweeper"
 # back without it lost its data, and the first worker to see that rebuilds it at once.
 REBUILT = f"{PREFIX}:rebuilt"
 REBUILD_LOCK = f"{PREFIX}:rebuilding"
+# The servers' loads, read by one worker per interval and shared with every other.
+SERVER_LOADS = f"{PREFIX}:server_loads"
+SERVER_LOADS_LOCK = f"{PREFIX}:server_loads:poll"
 QUEUE_PREFIX = f"{PREFIX}.q."
 
 # kombu's Redis transport keeps one list per priority step: the bare queue name for

@@ -44,6 +44,7 @@ LEAST: dict[str, tuple[float, bool]] = {
     "sweep_quiet_s": (0, True),
     "start_wait_s": (0, False),
     "stop_after_failures": (0, True),
+    "load_poll_s": (0, True),
 }
 
 
@@ -155,6 +156,9 @@ class Settings:
     # A dataset whose prompts fail this many times in a row with the same permanent error
     # (a 400 every sample gets) is stopped rather than failed prompt by prompt; 0: never.
     stop_after_failures: int = 5
+    # With several servers, each request goes to the one with the most headroom by their
+    # /v1/loads, read every load_poll_s by one worker for all; 0: round robin.
+    load_poll_s: float = 1.0
     sglang_api_key: str = field(default="", repr=False)
 
     def __post_init__(self) -> None:

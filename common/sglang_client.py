@@ -36,6 +36,7 @@ from common.errors import (
     TransientError,
 )
 from common.rids import server_tag, tag_of
+from common.routing import LoadRouter
 
 log = logging.getLogger(__name__)
 NEEDED_VERSION = "SGLang >= 0.5.5"
@@ -131,13 +132,16 @@ class SGLangClient:
         connect_timeout_s: float = 5.0,
         read_timeout_s: float = 1800.0,
         api_key: str = "",
+        router: LoadRouter | None = None,
     ) -> None:
         self.urls = urls
+        # Picks by the servers' loads when given; round robin otherwise.
+        self.router = router
         self.timeout = (connect_timeout_s, read_timeout_s)
         self._next = itertools.cycle(urls)
         self._lock = threading.Lock()
         self._local = threading.local()
-        self._headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self._models: dict[str, str] = {}
         # Proxy settings are read from the environment once, here, per server (NO_PROXY
         # may exempt some and not others), and the sessions do not look again per request.
@@ -147,7 +151,7 @@ class SGLangClient:
         session: requests.Session | None = getattr(self._local, "session", None)
         if session is None:
             session = requests.Session()
-            session.headers.update(self._headers)
+            session.headers.update(self.headers)
             session.trust_env = False
             self._local.session = session
         return session
@@ -179,6 +183,8 @@ class SGLangClient:
             raise TransientError(f"{server}: connection failed ({exc})", server=server) from exc
 
     def pick_server(self) -> str:
+        if self.router is not None:
+            return self.router.pick()
         with self._lock:
             return next(self._next)
 

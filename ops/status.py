@@ -50,6 +50,7 @@ from common.settings import Settings
 from common.store import DatasetRow, Store
 from ops import progress, status_view
 from ops.progress import RATE_WINDOW_S, ResultSums, Retrying
+from ops.status_servers import collect_servers, render_servers, servers_json
 from ops.status_view import duration
 
 __all__ = ["DatasetStatus", "Totals", "collect", "duration", "eta_seconds", "rebuild_lost",
@@ -232,12 +233,15 @@ def run_status(args: argparse.Namespace, settings: Settings) -> int:
 
     def frame() -> RenderableType:
         rebuilt = rebuild_lost(store, ledger)
-        return render(collect(store, ledger), rebuilt)
+        return Group(render(collect(store, ledger), rebuilt),
+                     render_servers(collect_servers(settings)))
 
     if args.json:
         for line in rebuild_lost(store, ledger):
             print(f"datagen status: {line}", file=sys.stderr)
-        print(json.dumps(as_json(collect(store, ledger)), indent=2))
+        doc = as_json(collect(store, ledger))
+        doc["servers"] = servers_json(collect_servers(settings))
+        print(json.dumps(doc, indent=2))
         return 0
     console = make_console()
     if not args.watch:

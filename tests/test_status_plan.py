@@ -7,6 +7,7 @@ the queries of ops.progress, so a wrong window, basis or rounding shows up as a 
 from __future__ import annotations
 
 import argparse
+import io
 import json
 import math
 import os
@@ -22,14 +23,17 @@ from typing import Any
 import pytest
 import redis
 import sqlalchemy as sa
+from rich.console import Console
 
 from common.keys import STORE_ID
 from common.schema import prompts, results
 from common.settings import Settings
 from common.store import Store, as_utc
 from ops.cli import main
+from ops.localredis import free_port
 from ops.plan import MIN_OBSERVED, add_plan_parser, run_plan
 from ops.status import duration, eta_seconds
+from ops.status_servers import NO_READING, collect_servers, render_servers
 from tests.faultkit import wait_for
 from tests.helpers import running_worker, wait_settled, write_dataset
 
@@ -351,16 +355,17 @@ def test_status_shows_samples_waiting_on_an_unreachable_server(
 
 
 def _frames(proc: subprocess.Popen[str], wanted: int) -> list[list[str]]:
-    """Frames read from the pipe, each the lines up to a blank line, until ``wanted``."""
+    """Frames read from the pipe, each from its title line up to the next one, until
+    ``wanted`` whole frames were read."""
     assert proc.stdout is not None
-    frames: list[list[str]] = [[]]
+    frames: list[list[str]] = []
     for line in proc.stdout:
-        if line.strip():
-            frames[-1].append(line.rstrip())
-        elif frames[-1] and frames[-1][-1].startswith(" total"):
+        if line.startswith("datagen status  "):
             if len(frames) == wanted:
                 break
             frames.append([])
+        if frames and line.strip():
+            frames[-1].append(line.rstrip())
     return frames
 
 
@@ -381,5 +386,23 @@ def test_status_watch_into_a_pipe_writes_frames(env: Settings, tmp_path: Path) -
     for frame in frames:
         assert frame[0].startswith("datagen status  ") and frame[0].endswith("Z")
         assert any(line.split()[:2] == ["wp", "open"] for line in frame)
-        assert frame[-1].split()[:3] == ["total", "1", "open"]
+        assert any(line.split()[:3] == ["total", "1", "open"] for line in frame)
+        # The server's own load, under the datasets.
+        assert any(line.split()[0] == env.sglang_urls[0] for line in frame[-3:])
     assert frames[0][0] <= frames[1][0]  # each frame under its own timestamp
+
+
+def test_status_shows_each_servers_load(env: Settings, tmp_path: Path,
+                                        capsys: pytest.CaptureFixture[str]) -> None:
+    enqueue(write_dataset(tmp_path, "sv", 2))
+    (server,) = status_json(capsys)["servers"]
+    assert server["url"] == env.sglang_urls[0] and server["error"] is None
+    assert server["max_running"] > 0 and server["running"] >= 0 and server["waiting"] >= 0
+    assert 0 <= server["token_usage"] <= 1 and server["gen_throughput"] >= 0
+    silent = f"http://127.0.0.1:{free_port()}"
+    (row,) = collect_servers(env.replace(sglang_urls=(silent,)))
+    assert (row.url, row.running, row.error) == (silent, None, NO_READING)
+    console = Console(width=160, file=io.StringIO(), no_color=True)
+    console.print(render_servers([row]))
+    lines = console.file.getvalue().splitlines()  # type: ignore[attr-defined]
+    assert any(silent in line and NO_READING in line for line in lines)

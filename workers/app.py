@@ -24,6 +24,7 @@ from common.services import short_reason
 from common.settings import Settings
 from workers.context import get_context
 from workers.liveness import Heartbeat, Received
+from workers.load_poller import LoadPolling
 from workers.queues import DatasetQueues
 from workers.recovery import recover
 from workers.startup import wait_for_services, watch_sglang
@@ -44,6 +45,7 @@ def create_app(settings: Settings) -> Celery:
     app.datagen_received = Received()  # type: ignore[attr-defined]
     register_tasks(app, settings)
     app.steps["consumer"].add(DatasetQueues)
+    app.steps["consumer"].add(LoadPolling)
     return app
 
 

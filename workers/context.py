@@ -13,6 +13,7 @@ from celery import Celery
 
 from common.errors import ConfigError
 from common.ledger import ChargeResult, Ledger
+from common.routing import LoadRouter
 from common.rows import ResultRow
 from common.settings import Settings
 from common.sglang_client import Completion, SGLangClient
@@ -70,6 +71,7 @@ class WorkerContext:
             connect_timeout_s=settings.connect_timeout_s,
             read_timeout_s=settings.request_timeout_s,
             api_key=settings.sglang_api_key,
+            router=load_router(settings),
         )
         ledger = Ledger(redis.Redis.from_url(settings.redis_url, health_check_interval=25))
         store = Store(settings.database_url, settings.db_connections)
@@ -139,6 +141,14 @@ def _load_decoder(tokenizer: str, trust_remote_code: bool) -> Decoder | None:
 
 
 _context_lock = threading.Lock()
+
+
+def load_router(settings: Settings) -> LoadRouter | None:
+    """A router by the servers' loads where there is a choice to make and it is on."""
+    if len(settings.sglang_urls) < 2 or not settings.load_poll_s:
+        return None
+    # A reading three intervals old (a poller that missed two) no longer steers requests.
+    return LoadRouter(settings.sglang_urls, stale_after_s=max(3 * settings.load_poll_s, 2.0))
 
 
 def get_context(app: Celery) -> WorkerContext:
