@@ -44,6 +44,7 @@ LEAST: dict[str, tuple[float, bool]] = {
     "sweep_quiet_s": (0, True),
     "start_wait_s": (0, False),
     "stop_after_failures": (0, True),
+    "progress_every_s": (0, True),
 }
 
 
@@ -155,6 +156,9 @@ class Settings:
     # A dataset whose prompts fail this many times in a row with the same permanent error
     # (a 400 every sample gets) is stopped rather than failed prompt by prompt; 0: never.
     stop_after_failures: int = 5
+    # Where stderr is no terminal (compose logs, CI), enqueue, export and validate write a
+    # progress line this often; 0 writes one at every step.
+    progress_every_s: float = 5.0
     sglang_api_key: str = field(default="", repr=False)
 
     def __post_init__(self) -> None:

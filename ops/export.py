@@ -27,13 +27,12 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-
-from common.console import make_console
 from common.errors import ConfigError
+from common.progress_bar import ProgressBar
 from common.services import safe_url
 from common.settings import Settings
 from common.store import DatasetRow, Store
+from ops.argtypes import add_quiet_flag
 from ops.export_formats import (
     FORMATS,
     REASONS,
@@ -44,7 +43,7 @@ from ops.export_formats import (
     output_file,
 )
 from ops.export_io import Sink, open_sink
-from ops.export_rows import ExportRow, count_results, iter_rows, snapshot_id
+from ops.export_rows import ExportRow, count_results, iter_rows, result_counts, snapshot_id
 
 MANIFEST = "manifest.json"
 MANIFEST_VERSION = 1
@@ -59,6 +58,7 @@ def add_export_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParse
                    help="only these datasets (default: all)")
     p.add_argument("--allow-empty", action="store_true",
                    help="exit 0 even when a dataset with results gets a file with no row")
+    add_quiet_flag(p)
     return p
 
 
@@ -112,7 +112,7 @@ def write_rows(
 
 
 def export_dataset(
-    store: Store, ds: DatasetRow, fmt: str, out: Path, progress: Progress
+    store: Store, ds: DatasetRow, fmt: str, out: Path, progress: ProgressBar
 ) -> DatasetExport:
     upto = snapshot_id(store, ds.name)
     path = output_file(out, ds.name, fmt)
@@ -120,10 +120,9 @@ def export_dataset(
                           ds.reasoning_open)
     builder = make_builder(fmt, ds)
     stats.notes.update(builder_notes(builder))
-    task = progress.add_task(ds.name, total=stats.results)
+    progress.label(ds.name)
     with open_sink(fmt, path) as sink:
-        write_rows(iter_rows(store, ds.name, upto), builder, sink, stats,
-                   lambda: progress.advance(task))
+        write_rows(iter_rows(store, ds.name, upto), builder, sink, stats, progress.advance)
         sink.commit()
     return stats
 
@@ -202,20 +201,15 @@ def empty_files(stats: list[DatasetExport]) -> list[str]:
     ]
 
 
-def _progress() -> Progress:
-    console = make_console(stderr=True)
-    return Progress(
-        TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
-        TimeElapsedColumn(), console=console, disable=not console.is_terminal,
-    )
-
-
 def run_export(args: argparse.Namespace, settings: Settings) -> int:
     out = Path(args.out)
     store = Store(settings.database_url, settings.db_connections)
     datasets = select_datasets(store, args.datasets)
     prepare_out(out)
-    with _progress() as progress:
+    counts = result_counts(store)
+    total = sum(counts.get(ds.name, 0) for ds in datasets)
+    with ProgressBar("export", "rows", total, quiet=args.quiet,
+                     every_s=settings.progress_every_s) as progress:
         stats = [export_dataset(store, ds, args.format, out, progress) for ds in datasets]
     write_manifest(out, manifest(args.format, settings.database_url, stats, args.allow_empty))
     print("\n".join(summary_lines(args.format, out, stats)))
