@@ -33,6 +33,7 @@ from common.services import safe_url
 from common.settings import Settings
 from common.store import DatasetRow, Store
 from ops.argtypes import add_quiet_flag
+from ops.export_card import check_card_free, write_card
 from ops.export_formats import (
     FORMATS,
     REASONS,
@@ -75,6 +76,7 @@ class DatasetExport:
     left_out: Counter[str] = field(default_factory=Counter)
     examples: list[dict[str, str]] = field(default_factory=list)
     notes: dict[str, str] = field(default_factory=dict)
+    columns: set[str] = field(default_factory=set)  # the keys of the rows written
 
     def leave_out(self, sample_id: str, why: LeftOut) -> None:
         self.left_out[why.reason] += 1
@@ -107,6 +109,7 @@ def write_rows(
             stats.leave_out(row.sample_id, built)
         else:
             sink.write(built)
+            stats.columns.update(built)
             stats.exported += 1
         on_row()
 
@@ -130,6 +133,7 @@ def export_dataset(
 def prepare_out(out: Path) -> None:
     if out.exists() and not out.is_dir():
         raise ConfigError(f"--out {out} exists and is not a directory")
+    check_card_free(out)
     try:
         out.mkdir(parents=True, exist_ok=True)
         # A stale manifest must not describe the files this export is about to replace.
@@ -173,7 +177,8 @@ def write_manifest(out: Path, doc: dict[str, Any]) -> Path:
 
 
 def summary_lines(fmt: str, out: Path, stats: list[DatasetExport]) -> list[str]:
-    lines = [f"exported {fmt} to {out} ({MANIFEST} describes it)"]
+    lines = [f"exported {fmt} to {out} ({MANIFEST} describes it, README.md is its dataset "
+             "card)"]
     if not stats:
         lines.append("  no datasets in the database yet: nothing to export")
     for s in stats:
@@ -211,7 +216,9 @@ def run_export(args: argparse.Namespace, settings: Settings) -> int:
     with ProgressBar("export", "rows", total, quiet=args.quiet,
                      every_s=settings.progress_every_s) as progress:
         stats = [export_dataset(store, ds, args.format, out, progress) for ds in datasets]
-    write_manifest(out, manifest(args.format, settings.database_url, stats, args.allow_empty))
+    doc = manifest(args.format, settings.database_url, stats, args.allow_empty)
+    write_manifest(out, doc)
+    write_card(out, store, args.format, doc["created_at"], datasets, stats)
     print("\n".join(summary_lines(args.format, out, stats)))
     empty = empty_files(stats)
     if empty and not args.allow_empty:
