@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 import sqlalchemy as sa
 
 from common.errors import ConfigError
+from common.failures import STOPPED
 from common.schema import results
 from common.store import DatasetRow, Store
 from ops.export_formats import REASONS
@@ -36,6 +37,12 @@ MARK = "# datagen export writes this card anew at each export"
 COMBINED = "all"
 SIZES = ((1_000, "n<1K"), (10_000, "1K<n<10K"), (100_000, "10K<n<100K"),
          (1_000_000, "100K<n<1M"), (10_000_000, "1M<n<10M"), (100_000_000, "10M<n<100M"))
+# Why a closed dataset's queued prompts were never generated, by its close reason.
+CLOSED_BEFORE = {
+    "budget": "the budget closed the dataset first",
+    "manual": "the dataset was closed by hand (datagen purge) first",
+    STOPPED: "repeated failures stopped the dataset first (datagen retry sends them again)",
+}
 FINISH = {"stop": "stopped by the model", "length": "cut at max_new_tokens",
           "budget": "cut to fill the budget", "abort": "aborted"}
 
@@ -177,12 +184,16 @@ def dataset_section(ds: DatasetRow, s: DatasetExport, fact: RunFacts) -> list[st
     return [f"### {ds.name}", "", *_table(("", ""), rows), ""]
 
 
+def _why_queued(ds: DatasetRow) -> str:
+    if ds.state != "closed":
+        return "the run had not reached them"
+    return CLOSED_BEFORE.get(ds.close_reason or "", "the dataset was closed first")
+
+
 def left_out_lines(ds: DatasetRow, s: DatasetExport, fact: RunFacts) -> list[str]:
     p, why = fact.prompts, []
     if p.get("queued"):
-        when = "the budget closed the dataset first" if ds.state == "closed" \
-            else "the run had not reached them"
-        why.append(f"{p['queued']:,} prompts not generated: {when}")
+        why.append(f"{p['queued']:,} prompts not generated: {_why_queued(ds)}")
     if p.get("failed"):
         why.append(f"{p['failed']:,} prompts failed (each one's last error is in SQL, "
                    "`prompts.error`)")
