@@ -37,8 +37,10 @@ from rich.text import Text
 
 from common.console import make_console
 
-# How often the count is handed to the bar; rich redraws it ten times a second anyway.
-BAR_UPDATE_S = 0.1
+# How often rich redraws the bar (each redraw renders it in a thread of its own, with
+# the GIL), and how often the count is handed to it.
+BAR_REDRAWS_PER_S = 4
+BAR_UPDATE_S = 1 / BAR_REDRAWS_PER_S
 
 
 def human_seconds(seconds: float) -> str:
@@ -93,7 +95,7 @@ class ProgressBar:
             self._bar = Progress(
                 TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
                 RateColumn(unit), TextColumn("ETA"), TimeRemainingColumn(),
-                console=self.console,
+                console=self.console, refresh_per_second=BAR_REDRAWS_PER_S,
             )
             self._task = self._bar.add_task(command, total=total)
 
