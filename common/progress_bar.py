@@ -26,7 +26,6 @@ from types import TracebackType
 from rich.console import Console
 from rich.progress import (
     BarColumn,
-    MofNCompleteColumn,
     Progress,
     ProgressColumn,
     Task,
@@ -51,6 +50,15 @@ def human_seconds(seconds: float) -> str:
     if s < 3600:
         return f"{s // 60} min {s % 60:02d} s"
     return f"{s // 3600} h {s % 3600 // 60:02d} min"
+
+
+class CountColumn(ProgressColumn):
+    """``120,000/200,000``: rich's M/N column without thousands separators is hard to read
+    at these counts."""
+
+    def render(self, task: Task) -> Text:
+        total = "?" if task.total is None else f"{int(task.total):,}"
+        return Text(f"{int(task.completed):,}/{total}", style="progress.download")
 
 
 class RateColumn(ProgressColumn):
@@ -93,7 +101,7 @@ class ProgressBar:
         self._bar: Progress | None = None
         if self.mode == "bar":
             self._bar = Progress(
-                TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+                TextColumn("{task.description}"), BarColumn(), CountColumn(),
                 RateColumn(unit), TextColumn("ETA"), TimeRemainingColumn(),
                 console=self.console, refresh_per_second=BAR_REDRAWS_PER_S,
             )

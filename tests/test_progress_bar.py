@@ -145,13 +145,13 @@ def test_a_short_command_writes_no_line_and_quiet_writes_nothing() -> None:
 
 def test_on_a_terminal_it_draws_a_bar_with_rate_and_time_left() -> None:
     stream = io.StringIO()
-    with ProgressBar("validate", "rows", 500, every_s=0,
+    with ProgressBar("validate", "rows", 5_000, every_s=0,
                      console=Console(file=stream, force_terminal=True, width=120)) as bar:
         assert bar.mode == "bar"
         bar.label("B1 file")
-        bar.advance(500)
+        bar.advance(5_000)
     shown = stream.getvalue()
-    assert "validate B1 file" in shown and "500/500" in shown
+    assert "validate B1 file" in shown and "5,000/5,000" in shown
     assert "rows/s" in shown and "ETA" in shown and "━" in shown
 
 
@@ -186,7 +186,7 @@ def test_export_on_a_terminal_draws_a_bar_not_lines(database: str, tmp_path: Pat
     shown, out = on_a_terminal(
         datagen("export", "--format", "speculators", "--out", str(tmp_path / "x")),
         run_env(database))
-    assert "━" in shown and f"{total}/{total}" in shown and "rows/s" in shown
+    assert "━" in shown and f"{total:,}/{total:,}" in shown and "rows/s" in shown
     assert "export P2" in shown
     assert not re.search(r"^export: ", shown, re.M), "plain lines written to a terminal"
     assert "exported speculators" in out
@@ -205,7 +205,7 @@ def test_validate_counts_the_file_then_sql_in_lines_and_a_bar(
     assert {m.group(7) for m in found} == {"P1 file", "P1 SQL", "P2 file", "P2 SQL"}
     assert "validation passed" in done.stdout
     shown, _ = on_a_terminal(datagen("validate", str(out)), run_env(database))
-    assert "━" in shown and f"{exported + results}/{exported + results}" in shown
+    assert "━" in shown and f"{exported + results:,}/{exported + results:,}" in shown
     quiet = piped(datagen("validate", str(out), "--quiet"), run_env(database))
     assert quiet.stderr == ""
 
