@@ -45,6 +45,7 @@ LEAST: dict[str, tuple[float, bool]] = {
     "start_wait_s": (0, False),
     "stop_after_failures": (0, True),
     "load_poll_s": (0, True),
+    "progress_every_s": (0, True),
 }
 
 
@@ -159,6 +160,9 @@ class Settings:
     # With several servers, each request goes to the one with the most headroom by their
     # /v1/loads, read every load_poll_s by one worker for all; 0: round robin.
     load_poll_s: float = 1.0
+    # Where stderr is no terminal (compose logs, CI), enqueue, export and validate write a
+    # progress line this often; 0 writes one at every step.
+    progress_every_s: float = 5.0
     sglang_api_key: str = field(default="", repr=False)
 
     def __post_init__(self) -> None:

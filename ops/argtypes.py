@@ -20,6 +20,13 @@ class Parser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
+def add_quiet_flag(p: argparse.ArgumentParser) -> None:
+    """``-q/--quiet``, the same on every command that shows progress."""
+    p.add_argument("-q", "--quiet", action="store_true",
+                   help="no progress on stderr (default: a bar on a terminal, else a line "
+                        "every DATAGEN_PROGRESS_EVERY_S seconds)")
+
+
 def whole(least: int, most: int | None = None) -> Callable[[str], int]:
     """A whole number of at least ``least`` (and at most ``most``)."""
 

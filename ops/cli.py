@@ -16,7 +16,7 @@ from common.errors import (
 )
 from common.sampling_rules import add_sampling_flags
 from common.settings import Settings
-from ops.argtypes import Parser, whole
+from ops.argtypes import Parser, add_quiet_flag, whole
 
 
 def _add_enqueue(sub: argparse._SubParsersAction) -> None:
@@ -48,8 +48,7 @@ def _add_enqueue(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--policy", choices=("drain", "abort", "exact"), default="drain",
                    help="requests in flight when a dataset closes: drain keeps them, abort "
                    "drops them, exact cuts to the budget (default: %(default)s)")
-    p.add_argument("-q", "--quiet", action="store_true",
-                   help="no progress bar (default: a bar on a terminal)")
+    add_quiet_flag(p)
 
 
 def build_parser() -> argparse.ArgumentParser:

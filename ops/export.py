@@ -27,13 +27,13 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-
-from common.console import make_console
 from common.errors import ConfigError
+from common.progress_bar import ProgressBar
 from common.services import safe_url
 from common.settings import Settings
 from common.store import DatasetRow, Store
+from ops.argtypes import add_quiet_flag
+from ops.export_card import check_card_free, write_card
 from ops.export_formats import (
     FORMATS,
     REASONS,
@@ -44,7 +44,7 @@ from ops.export_formats import (
     output_file,
 )
 from ops.export_io import Sink, open_sink
-from ops.export_rows import ExportRow, count_results, iter_rows, snapshot_id
+from ops.export_rows import ExportRow, count_results, iter_rows, result_counts, snapshot_id
 
 MANIFEST = "manifest.json"
 MANIFEST_VERSION = 1
@@ -59,6 +59,7 @@ def add_export_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParse
                    help="only these datasets (default: all)")
     p.add_argument("--allow-empty", action="store_true",
                    help="exit 0 even when a dataset with results gets a file with no row")
+    add_quiet_flag(p)
     return p
 
 
@@ -75,6 +76,7 @@ class DatasetExport:
     left_out: Counter[str] = field(default_factory=Counter)
     examples: list[dict[str, str]] = field(default_factory=list)
     notes: dict[str, str] = field(default_factory=dict)
+    columns: set[str] = field(default_factory=set)  # the keys of the rows written
 
     def leave_out(self, sample_id: str, why: LeftOut) -> None:
         self.left_out[why.reason] += 1
@@ -107,12 +109,13 @@ def write_rows(
             stats.leave_out(row.sample_id, built)
         else:
             sink.write(built)
+            stats.columns.update(built)
             stats.exported += 1
         on_row()
 
 
 def export_dataset(
-    store: Store, ds: DatasetRow, fmt: str, out: Path, progress: Progress
+    store: Store, ds: DatasetRow, fmt: str, out: Path, progress: ProgressBar
 ) -> DatasetExport:
     upto = snapshot_id(store, ds.name)
     path = output_file(out, ds.name, fmt)
@@ -120,10 +123,9 @@ def export_dataset(
                           ds.reasoning_open)
     builder = make_builder(fmt, ds)
     stats.notes.update(builder_notes(builder))
-    task = progress.add_task(ds.name, total=stats.results)
+    progress.label(ds.name)
     with open_sink(fmt, path) as sink:
-        write_rows(iter_rows(store, ds.name, upto), builder, sink, stats,
-                   lambda: progress.advance(task))
+        write_rows(iter_rows(store, ds.name, upto), builder, sink, stats, progress.advance)
         sink.commit()
     return stats
 
@@ -131,6 +133,7 @@ def export_dataset(
 def prepare_out(out: Path) -> None:
     if out.exists() and not out.is_dir():
         raise ConfigError(f"--out {out} exists and is not a directory")
+    check_card_free(out)
     try:
         out.mkdir(parents=True, exist_ok=True)
         # A stale manifest must not describe the files this export is about to replace.
@@ -174,7 +177,8 @@ def write_manifest(out: Path, doc: dict[str, Any]) -> Path:
 
 
 def summary_lines(fmt: str, out: Path, stats: list[DatasetExport]) -> list[str]:
-    lines = [f"exported {fmt} to {out} ({MANIFEST} describes it)"]
+    lines = [f"exported {fmt} to {out} ({MANIFEST} describes it, README.md is its dataset "
+             "card)"]
     if not stats:
         lines.append("  no datasets in the database yet: nothing to export")
     for s in stats:
@@ -202,22 +206,19 @@ def empty_files(stats: list[DatasetExport]) -> list[str]:
     ]
 
 
-def _progress() -> Progress:
-    console = make_console(stderr=True)
-    return Progress(
-        TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
-        TimeElapsedColumn(), console=console, disable=not console.is_terminal,
-    )
-
-
 def run_export(args: argparse.Namespace, settings: Settings) -> int:
     out = Path(args.out)
     store = Store(settings.database_url, settings.db_connections)
     datasets = select_datasets(store, args.datasets)
     prepare_out(out)
-    with _progress() as progress:
+    counts = result_counts(store)
+    total = sum(counts.get(ds.name, 0) for ds in datasets)
+    with ProgressBar("export", "rows", total, quiet=args.quiet,
+                     every_s=settings.progress_every_s) as progress:
         stats = [export_dataset(store, ds, args.format, out, progress) for ds in datasets]
-    write_manifest(out, manifest(args.format, settings.database_url, stats, args.allow_empty))
+    doc = manifest(args.format, settings.database_url, stats, args.allow_empty)
+    write_manifest(out, doc)
+    write_card(out, store, args.format, doc["created_at"], datasets, stats)
     print("\n".join(summary_lines(args.format, out, stats)))
     empty = empty_files(stats)
     if empty and not args.allow_empty:

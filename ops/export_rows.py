@@ -94,6 +94,14 @@ def count_results(store: Store, dataset: str, upto_id: int) -> int:
         return int(conn.scalar(q) or 0)
 
 
+def result_counts(store: Store) -> dict[str, int]:
+    """Results per dataset, in one GROUP BY over the (dataset, sample_id) index: the total
+    a progress bar counts towards before any row is read."""
+    q = sa.select(results.c.dataset, sa.func.count()).group_by(results.c.dataset)
+    with store.engine.connect() as conn:
+        return {name: int(n) for name, n in conn.execute(q)}
+
+
 def iter_rows(store: Store, dataset: str, upto_id: int) -> Iterator[ExportRow]:
     """Every result of ``dataset`` up to ``upto_id``, oldest first, streamed in batches."""
     q = (

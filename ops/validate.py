@@ -33,13 +33,15 @@ from pathlib import Path
 from typing import Any
 
 from common.errors import ConfigError, UnknownDatasetError
+from common.progress_bar import ProgressBar
 from common.services import safe_url
 from common.settings import Settings
 from common.store import Store
+from ops.argtypes import add_quiet_flag
 from ops.export import MANIFEST
 from ops.export_formats import FORMATS, LeftOut, make_builder
 from ops.export_io import read_records
-from ops.export_rows import LOOKUP_CHUNK, iter_rows, lookup_rows, snapshot_id
+from ops.export_rows import LOOKUP_CHUNK, count_results, iter_rows, lookup_rows, snapshot_id
 from ops.validate_checks import MAX_SHOWN, Findings, describe_diff, record_id, shape_error
 
 Pending = list[tuple[str, str, dict[str, Any]]]  # (where, id, record) awaiting SQL
@@ -50,6 +52,7 @@ def add_validate_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentPar
     p.add_argument("dir", help="a directory written by datagen export")
     p.add_argument("--dataset", action="extend", nargs="+", dest="datasets", metavar="NAME",
                    help="only these datasets of the export (default: all)")
+    add_quiet_flag(p)
     return p
 
 
@@ -72,8 +75,10 @@ class DatasetCheck:
     """One dataset's file checked against SQL; mismatches go to the shared findings."""
 
     def __init__(self, store: Store, directory: Path, fmt: str, name: str,
-                 entry: dict[str, Any], findings: Findings, allow_empty: bool = False) -> None:
+                 entry: dict[str, Any], findings: Findings, allow_empty: bool = False,
+                 progress: ProgressBar | None = None) -> None:
         self.store, self.fmt, self.name, self.entry = store, fmt, name, entry
+        self.progress = progress or ProgressBar("validate", "rows", None, quiet=True)
         self.allow_empty = allow_empty
         # Only a file name: a manifest must not point validate outside the export.
         self.path = directory / Path(str(entry.get("file", ""))).name
@@ -83,6 +88,12 @@ class DatasetCheck:
         self.seen: set[str] = set()
         self.records = 0
         self.results = 0
+
+    def work(self) -> int:
+        """Rows this check reads: the file's records (as the manifest counts them) and the
+        stored results up to the export's bound (one COUNT)."""
+        return int(self.entry.get("exported") or 0) + count_results(self.store, self.name,
+                                                                      self.upto)
 
     def _where(self, where: str) -> str:
         return f"{self.path.name} {where}"
@@ -110,8 +121,10 @@ class DatasetCheck:
 
     def _check_file(self) -> None:
         pending: Pending = []
+        self.progress.label(f"{self.name} file")
         for where, record in read_records(self.fmt, self.path):
             self._take(where, record, pending)
+            self.progress.advance()
             if len(pending) >= LOOKUP_CHUNK:
                 self._against_sql(pending)
         self._against_sql(pending)
@@ -166,8 +179,10 @@ class DatasetCheck:
 
     def _check_sql(self) -> tuple[int, Counter[str]]:
         results, left_out = 0, Counter[str]()
+        self.progress.label(f"{self.name} SQL")
         for row in iter_rows(self.store, self.name, self.upto):
             results += 1
+            self.progress.advance()
             if row.sample_id in self.seen:
                 continue
             built = self.builder.build(row)
@@ -231,9 +246,14 @@ def run_validate(args: argparse.Namespace, settings: Settings) -> int:
         print(f"note: the export was made from {doc.get('database_url')}")
     findings = Findings()
     allow_empty = doc.get("allow_empty") is True
+    progress = ProgressBar("validate", "rows", 0, quiet=args.quiet,
+                           every_s=settings.progress_every_s)
     checks = [DatasetCheck(store, directory, fmt, name, doc["datasets"][name], findings,
-                           allow_empty) for name in names]
-    checked = [check.run() for check in checks]
+                           allow_empty, progress) for name in names]
+    for check in checks:
+        progress.grow(check.work())
+    with progress:
+        checked = [check.run() for check in checks]
     results = sum(check.results for check in checks)
     if results and not any(check.seen for check in checks):
         findings.mismatch("empty", f"the export holds no row of {results:,} stored results")

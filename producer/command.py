@@ -9,13 +9,13 @@ import time
 from pathlib import Path
 from typing import Any
 
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
 from common.budget import Budget, parse_budget_tokens
 from common.celery_app import make_celery
 from common.console import make_console
 from common.errors import ConfigError
+from common.progress_bar import ProgressBar
 from common.sampling_rules import sampling_flags
 from common.services import connect
 from common.settings import Settings
@@ -67,44 +67,16 @@ def run_enqueue(args: argparse.Namespace, settings: Settings) -> int:
     store, ledger = connect(settings)
     app = make_celery(settings)
     total = sum(count_lines(f) for p in plans for f in p.files)
-    console = make_console(stderr=True)
     started = time.monotonic()
-    with Progress(
-        TextColumn("enqueue"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-        console=console, disable=args.quiet or not console.is_terminal,
-    ) as bar:
-        task = bar.add_task("lines", total=total)
-        lines = LineProgress(total, quiet=args.quiet or console.is_terminal)
-
-        def advance(n: int) -> None:
-            bar.advance(task, n)
-            lines.advance(n)
-
+    with ProgressBar("enqueue", "lines", total, quiet=args.quiet,
+                     every_s=settings.progress_every_s) as bar:
         enqueuer = Enqueuer(store, ledger, app, templater, Limits(args.max_seq_len),
-                            progress=advance)
+                            progress=bar.advance)
         summaries = enqueuer.run(plans)
+        bar.complete()
     elapsed = time.monotonic() - started
     print_summary(summaries, elapsed)
     return 0
-
-
-class LineProgress:
-    """Progress as a line every few seconds, for logs (compose, CI) where no bar can draw."""
-
-    def __init__(self, total: int, quiet: bool, every_s: float = 5.0) -> None:
-        self.total, self.quiet, self.every_s = total, quiet, every_s
-        self.done, self.started = 0, time.monotonic()
-        self.next_at = self.started + every_s
-
-    def advance(self, n: int) -> None:
-        self.done += n
-        now = time.monotonic()
-        if self.quiet or now < self.next_at:
-            return
-        self.next_at = now + self.every_s
-        rate = self.done / (now - self.started)
-        print(f"enqueue: {self.done:,} of {self.total:,} lines ({rate:,.0f}/s)",
-              file=sys.stderr, flush=True)
 
 
 def print_summary(summaries: list[DatasetSummary], elapsed_s: float) -> None:
