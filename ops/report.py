@@ -18,7 +18,6 @@ from pathlib import Path
 from common.errors import InputError
 from common.settings import Settings
 from common.store import Store
-from ops import report_figures as figures
 from ops.report_data import Report, StepHook, build_report, no_progress
 from ops.report_page import render_page
 
@@ -46,6 +45,10 @@ def write_report(store: Store, out: Path, query_progress: StepHook = no_progress
 
     The hooks are called after each step of the querying, then of the drawing (one step
     per figure), with (steps done, steps in all, what comes next)."""
+    # Imported here: every command builds the whole parser, this one's included, and
+    # matplotlib (with numpy) would add tens of MB to each worker.
+    from ops import report_figures as figures
+
     report = build_report(store.engine, query_progress)
     if not report.datasets:
         raise InputError(f"no datasets in {store.describe()} yet: nothing to report")

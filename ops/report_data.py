@@ -101,10 +101,10 @@ def _selection(states: dict[str, int], closed: bool) -> dict[str, int]:
 
 def _axis(engine: Engine, rows: list[Any], sums: dict[str, q.ResultSummary]) -> q.TimeAxis:
     moments = [s.first_s for s in sums.values()] + [s.last_s for s in sums.values()]
-    moments += [r[6] for r in rows if r[6] is not None]
+    moments += [r.closed_s for r in rows if r.closed_s is not None]
     moments += list(q.trouble_span(engine) or ())
     if not moments:
-        moments = [r[8] for r in rows] or [0]
+        moments = [r.created_s for r in rows] or [0]
     return q.TimeAxis.spanning(min(moments), max(moments))
 
 

@@ -10,6 +10,7 @@ id (``set_gid``): the close marker of each dataset is ``close-<dataset>``.
 from __future__ import annotations
 
 import io
+import re
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -38,6 +39,7 @@ COLORS = {
     "skipped": "#eeca3b",
 }
 PNG_DPI = 100
+LABEL_SHARE = 0.06  # a part of the selection bar this wide or more shows its count
 THOUSANDS = "{x:,.0f}"
 ERROR_LABEL_CHARS = 60
 
@@ -90,7 +92,7 @@ def draw_budget(ax: Axes, d: DatasetReport, axis: TimeAxis) -> None:
     ax.set_title(f"{d.name}: tokens used against the budget")
     ax.set_ylabel("tokens")
     ax.yaxis.set_major_formatter(StrMethodFormatter(THOUSANDS))
-    ax.legend(loc="lower right", fontsize=8, frameon=False)
+    ax.legend(loc="best", fontsize=8, frameon=False)
     _date_axis(ax)
 
 
@@ -98,13 +100,15 @@ def draw_lengths(ax: Axes, d: DatasetReport) -> None:
     if not d.results:
         _empty(ax, f"{d.name}: output tokens", "no results yet")
         return
-    width = d.bin_width
+    # Stacked stairs, one outline per reason: a bar per bin and reason would be an SVG
+    # element each and make the page several times larger.
     bottom = [0] * len(next(iter(d.lengths.values())))
-    lefts = [i * width for i in range(len(bottom))]
+    edges = [i * d.bin_width for i in range(len(bottom) + 1)]
     for reason, counts in d.lengths.items():
-        ax.bar(lefts, counts, width=width, bottom=bottom, align="edge", label=reason,
-               color=COLORS.get(reason, "#888"))
-        bottom = [b + c for b, c in zip(bottom, counts, strict=True)]
+        top = [b + c for b, c in zip(bottom, counts, strict=True)]
+        ax.stairs(top, edges, baseline=bottom, fill=True, label=reason,
+                  color=COLORS.get(reason, "#888"))
+        bottom = top
     if d.max_new_tokens:
         ax.axvline(d.max_new_tokens, color="#333", linestyle=":", linewidth=1,
                    label=f"max_new_tokens {d.max_new_tokens:,}")
@@ -129,6 +133,8 @@ def draw_throughput(ax: Axes, d: DatasetReport, axis: TimeAxis) -> None:
               linewidth=0.8, label="samples/s")
     twin.set_ylabel("samples / s")
     twin.set_ylim(bottom=0)
+    ax.legend(handles=[*ax.get_lines(), *twin.get_lines()], loc="best", fontsize=8,
+              frameon=False)
     _date_axis(ax)
 
 
@@ -141,14 +147,14 @@ def draw_failures(ax: Axes, d: DatasetReport, axis: TimeAxis) -> None:
     if not d.failures and not any(d.retried_done):
         _empty(ax, title, "no failure, no retry")
         return
-    times = _times(axis)
-    width = axis.width_s / 86400  # matplotlib dates count days
+    edges = [_when(axis.start_s + i * axis.width_s) for i in range(axis.buckets + 1)]
     bottom = [0] * axis.buckets
     for label, counts in d.failures.items():
-        ax.bar(times, counts, width=width, bottom=bottom, label=_short(label))
-        bottom = [b + c for b, c in zip(bottom, counts, strict=True)]
+        top = [b + c for b, c in zip(bottom, counts, strict=True)]
+        ax.stairs(top, edges, baseline=bottom, fill=True, label=_short(label))
+        bottom = top
     if any(d.retried_done):
-        ax.plot(times, d.retried_done, color="#333", linewidth=1, label="done after retries")
+        ax.plot(_times(axis), d.retried_done, color="#333", linewidth=1, label="done after retries")
     ax.set_title(title)
     ax.set_ylabel("prompts")
     ax.legend(fontsize=7, frameon=False, loc="upper left")
@@ -158,8 +164,12 @@ def draw_failures(ax: Axes, d: DatasetReport, axis: TimeAxis) -> None:
 def draw_selection(ax: Axes, names: list[str], selections: list[dict[str, int]]) -> None:
     lefts = [0.0] * len(names)
     for part in SELECTION:
-        shares = [s.get(part, 0) / (sum(s.values()) or 1) for s in selections]
-        ax.barh(names, shares, left=lefts, color=COLORS[part], label=part)
+        counts = [s.get(part, 0) for s in selections]
+        shares = [n / (sum(s.values()) or 1) for n, s in zip(counts, selections, strict=True)]
+        bars = ax.barh(names, shares, left=lefts, color=COLORS[part], label=part)
+        ax.bar_label(bars, [f"{n:,}" if share >= LABEL_SHARE else ""
+                            for n, share in zip(counts, shares, strict=True)],
+                     label_type="center", fontsize=8)
         lefts = [left + share for left, share in zip(lefts, shares, strict=True)]
     ax.set_xlim(0, 1)
     ax.xaxis.set_major_formatter(PercentFormatter(1.0))
@@ -191,6 +201,7 @@ def overview_figure(report: Report) -> Figure:
         ax.stackplot(_times(report.axis), [[t / width for t in d.output_tokens]
                                            for d in report.datasets], labels=names)
         ax.set_title(f"all datasets: output tokens per second (per {width:,} s)")
+        ax.yaxis.set_major_formatter(StrMethodFormatter(THOUSANDS))
         ax.legend(fontsize=7, frameon=False, loc="upper left", ncols=min(5, len(names) or 1))
         _date_axis(ax)
         draw_selection(fig.add_subplot(grid[1]), names, [d.selection for d in report.datasets])
@@ -201,11 +212,26 @@ def svg_text(fig: Figure) -> str:
     """The figure as an inline ``<svg>`` element (no XML prolog, no DOCTYPE)."""
     buf = io.StringIO()
     with matplotlib.rc_context(STYLE):
-        fig.savefig(buf, format="svg")
+        fig.savefig(buf, format="svg", metadata={"Date": None})
+    # Laid out now: the PNG keeps these positions (fractions of the figure, the same at
+    # any resolution) instead of solving the layout again.
+    fig.set_layout_engine("none")
     text = buf.getvalue()
-    return text[text.index("<svg"):]
+    return _PATH_DATA.sub(_rounded, text[text.index("<svg"):])
+
+
+_PATH_DATA = re.compile(r' d="([^"]*)"')
+_DECIMALS = re.compile(r"(\d+\.\d)\d+")
+
+
+def _rounded(match: re.Match[str]) -> str:
+    """Path coordinates to a tenth of a point (matplotlib writes six decimals): invisible
+    on screen, and a fifth off the page's size."""
+    return ' d="' + _DECIMALS.sub(r"\1", match.group(1)) + '"'
+
 
 
 def save_png(fig: Figure, path: Path) -> None:
+    """Write the figure as PNG; after :func:`svg_text`, in the layout the SVG has."""
     with matplotlib.rc_context(STYLE):
         fig.savefig(path, format="png", dpi=PNG_DPI)

@@ -89,8 +89,9 @@ class ResultSummary:
 def dataset_rows(engine: Engine) -> list[sa.Row[Any]]:
     q = sa.select(
         datasets.c.name, datasets.c.state, datasets.c.basis, datasets.c.policy,
-        datasets.c.budget_tokens, datasets.c.close_reason, epoch_s(datasets.c.closed_at),
-        datasets.c.used_at_close, epoch_s(datasets.c.created_at),
+        datasets.c.budget_tokens, datasets.c.close_reason,
+        epoch_s(datasets.c.closed_at).label("closed_s"), datasets.c.used_at_close,
+        epoch_s(datasets.c.created_at).label("created_s"),
     ).order_by(datasets.c.name)
     with engine.connect() as conn:
         return list(conn.execute(q))

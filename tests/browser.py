@@ -85,7 +85,7 @@ def _devtools_port(proc: subprocess.Popen[str]) -> int:
     raise RuntimeError(f"chromium exited ({proc.wait()}) without opening DevTools")
 
 
-async def _visit(port: int, url: str, expressions: Sequence[str]) -> PageVisit:
+async def _visit(port: int, url: str, expressions: Sequence[str], height: int) -> PageVisit:
     visit = PageVisit()
     async with aiohttp.ClientSession() as http:
         async with http.get(f"http://127.0.0.1:{port}/json/list") as resp:
@@ -95,7 +95,7 @@ async def _visit(port: int, url: str, expressions: Sequence[str]) -> PageVisit:
             page = _Session(ws, visit)
             for domain in ("Page", "Runtime", "Log", "Network"):
                 await page.call(f"{domain}.enable")
-            await page.call("Emulation.setDeviceMetricsOverride", width=1200, height=900,
+            await page.call("Emulation.setDeviceMetricsOverride", width=1200, height=height,
                             deviceScaleFactor=1, mobile=False)
             await page.call("Page.navigate", url=url)
             await page.wait_loaded()
@@ -107,8 +107,9 @@ async def _visit(port: int, url: str, expressions: Sequence[str]) -> PageVisit:
     return visit
 
 
-def open_page(path: Path, expressions: Sequence[str] = ()) -> PageVisit:
-    """Load ``path`` in a fresh headless Chromium profile; evaluate ``expressions``."""
+def open_page(path: Path, expressions: Sequence[str] = (), height: int = 900) -> PageVisit:
+    """Load ``path`` in a fresh headless Chromium profile, in a window 1200 pixels wide
+    and ``height`` high; evaluate ``expressions``."""
     assert CHROMIUM, "chromium is not installed"
     with tempfile.TemporaryDirectory() as profile:
         # --no-sandbox: the tests may run as root, where Chromium's sandbox refuses to start.
@@ -120,7 +121,7 @@ def open_page(path: Path, expressions: Sequence[str] = ()) -> PageVisit:
         )
         try:
             port = _devtools_port(proc)
-            return asyncio.run(_visit(port, path.resolve().as_uri(), expressions))
+            return asyncio.run(_visit(port, path.resolve().as_uri(), expressions, height))
         finally:
             proc.terminate()
             try:
