@@ -52,7 +52,10 @@ def write_report(store: Store, out: Path, query_progress: StepHook = no_progress
     report = build_report(store.engine, query_progress)
     if not report.datasets:
         raise InputError(f"no datasets in {store.describe()} yet: nothing to report")
-    out.mkdir(parents=True, exist_ok=True)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise InputError(f"--out {out}: {exc.strerror or exc}") from None
     steps = len(report.datasets) + 1
     draw_progress(0, steps, "overview")
     fig = figures.overview_figure(report)
@@ -78,6 +81,7 @@ def write_report(store: Store, out: Path, query_progress: StepHook = no_progress
 def run_report(args: argparse.Namespace, settings: Settings) -> int:
     store = Store(settings.database_url, settings.db_connections)
     try:
+        # A progress display plugs in here, as write_report's two hooks.
         written = write_report(store, Path(args.out))
     finally:
         store.engine.dispose()

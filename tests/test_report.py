@@ -190,5 +190,8 @@ def test_the_command_writes_the_report_and_refuses_an_empty_database(
     _seed(Store(sqlite_url))
     assert main(["report", "--out", str(tmp_path / "r")]) == 0
     assert "wrote " in capsys.readouterr().out
+    (tmp_path / "a-file").write_text("")
+    assert main(["report", "--out", str(tmp_path / "a-file")]) == 2
+    assert capsys.readouterr().err.startswith("datagen report: error: --out ")
     assert {p.name for p in (tmp_path / "r").iterdir()} == {
         "index.html", "overview.png", "alpha.png", "broken.png"}
