@@ -77,6 +77,7 @@ def build_parser() -> argparse.ArgumentParser:
     ro.add_argument("--budget-tokens", required=True)
     from ops.export import add_export_parser
     from ops.plan import add_plan_parser
+    from ops.report import add_report_parser
     from ops.retry import add_retry_parser
     from ops.validate import add_validate_parser
 
@@ -84,6 +85,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_validate_parser(sub)
     add_plan_parser(sub)
     add_retry_parser(sub)
+    add_report_parser(sub)
     d = sub.add_parser("demo", help="the whole job on embedded defaults: simulator, SQLite")
     d.add_argument("--workers", type=whole(1), default=1, help="(default: %(default)s)")
     d.add_argument("--concurrency", type=whole(1), default=32, help="(default: %(default)s)")
@@ -115,6 +117,10 @@ def dispatch(args: argparse.Namespace, settings: Settings) -> int:
         from ops.validate import run_validate
 
         return run_validate(args, settings)
+    if args.command == "report":
+        from ops.report import run_report
+
+        return run_report(args, settings)
     if args.command == "retry":
         from ops.retry import run_retry
 

@@ -129,11 +129,11 @@ def test_reopen_raises_the_budget_and_enqueues_what_remains(
 
 
 def test_commands_other_than_export_do_not_load_pyarrow() -> None:
-    # Every command builds the whole parser, export's included; pyarrow and numpy would add
-    # about 40 MB to each worker's resident memory.
+    # Every command builds the whole parser, export's and report's included; pyarrow,
+    # numpy and matplotlib would add 40 MB and more to each worker's resident memory.
     code = ("import sys; from ops.cli import build_parser; import workers.celery; "
             "build_parser().parse_args(['worker']); "
-            "print(sorted(m for m in ('pyarrow', 'numpy') if m in sys.modules))")
+            "print(sorted(m for m in ('pyarrow', 'numpy', 'matplotlib') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          check=True, cwd=Path(__file__).resolve().parents[1]).stdout
     assert out.strip() == "[]"
