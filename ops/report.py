@@ -16,8 +16,10 @@ from datetime import UTC, datetime
 from pathlib import Path
 
 from common.errors import InputError
+from common.progress_bar import ProgressBar
 from common.settings import Settings
 from common.store import Store
+from ops.argtypes import add_quiet_flag
 from ops.report_data import Report, StepHook, build_report, no_progress
 from ops.report_page import render_page
 
@@ -29,7 +31,24 @@ def add_report_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParse
     p = sub.add_parser("report", help="an HTML page and PNG figures of the run, from SQL")
     p.add_argument("--out", default="report",
                    help="directory to write into, created if absent (default: %(default)s)")
+    add_quiet_flag(p)
     return p
+
+
+def on_bar(bar: ProgressBar) -> StepHook:
+    """One of write_report's hooks counted on ``bar``: the queries' steps, then the
+    figures', each phase adding its own total."""
+    seen = {"total": 0, "done": 0}
+
+    def step(done: int, total: int, what: str) -> None:
+        if total != seen["total"]:
+            bar.grow(total - seen["total"])
+            seen["total"] = total
+        bar.label(what)
+        bar.advance(done - seen["done"])
+        seen["done"] = done
+
+    return step
 
 
 @dataclass(frozen=True)
@@ -81,8 +100,9 @@ def write_report(store: Store, out: Path, query_progress: StepHook = no_progress
 def run_report(args: argparse.Namespace, settings: Settings) -> int:
     store = Store(settings.database_url, settings.db_connections)
     try:
-        # A progress display plugs in here, as write_report's two hooks.
-        written = write_report(store, Path(args.out))
+        with ProgressBar("report", "steps", None, quiet=args.quiet,
+                         every_s=settings.progress_every_s) as bar:
+            written = write_report(store, Path(args.out), on_bar(bar), on_bar(bar))
     finally:
         store.engine.dispose()
     size_kib = written.page.stat().st_size / 1024

@@ -195,3 +195,23 @@ def test_the_command_writes_the_report_and_refuses_an_empty_database(
     assert capsys.readouterr().err.startswith("datagen report: error: --out ")
     assert {p.name for p in (tmp_path / "r").iterdir()} == {
         "index.html", "overview.png", "alpha.png", "broken.png"}
+
+
+def test_the_report_shows_its_progress_unless_quiet(
+    sqlite_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """Into a pipe, a line at every step when asked (no terminal here): the queries, then
+    the figures, ending at the full count."""
+    monkeypatch.setenv("DATAGEN_DATABASE_URL", sqlite_url)
+    monkeypatch.setenv("DATAGEN_PROGRESS_EVERY_S", "0")
+    _seed(Store(sqlite_url))
+    assert main(["report", "--out", str(tmp_path / "r")]) == 0
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.startswith("report")]
+    assert any("(alpha)" in line for line in lines) and any("(page)" in line for line in lines)
+    last = next(line for line in reversed(lines) if "/" in line.split()[1])
+    done, total = last.split()[1].split("/")
+    assert done == total
+    assert main(["report", "--out", str(tmp_path / "q"), "--quiet"]) == 0
+    assert not [line for line in capsys.readouterr().err.splitlines()
+                if line.startswith("report")]
