@@ -117,3 +117,14 @@ def conversation_counts(store: Store, dataset: str, closed: bool) -> Conversatio
     with store.engine.connect() as conn:
         total, done, going, partial = (int(n) for n in conn.execute(q).one())
     return ConversationCounts(total, done, going, partial, total - done - going - partial)
+
+
+def latest_turns(store: Store, dataset: str, upto_id: int) -> dict[str, int]:
+    """Each conversation's last turn with a result, among results up to ``upto_id``."""
+    q = sa.select(prompt_inputs.c.conversation, sa.func.max(prompt_inputs.c.turn)).join(
+        results, sa.and_(results.c.dataset == prompt_inputs.c.dataset,
+                         results.c.sample_id == prompt_inputs.c.sample_id),
+    ).where(results.c.dataset == dataset, results.c.id <= upto_id,
+            prompt_inputs.c.conversation.is_not(None)).group_by(prompt_inputs.c.conversation)
+    with store.engine.connect() as conn:
+        return {conversation: int(turn) for conversation, turn in conn.execute(q)}

@@ -11,9 +11,12 @@ import json
 from pathlib import Path
 from typing import Any
 
+import pytest
+import redis
 import requests
 import sqlalchemy as sa
 
+from common.budget import Budget
 from common.conversation import first_turn, next_turn, turn_count, turn_starts
 from common.conversation_store import conversation_counts
 from common.ledger import Ledger
@@ -21,8 +24,10 @@ from common.schema import prompt_inputs, results
 from common.settings import Settings
 from common.store import Store
 from common.tokenizer_files import load_tokenizer
+from ops.cli import main
 from producer.template import BUNDLED_TOKENIZER
 from sim.reqlog import input_sha1
+from tests.conftest import make_settings
 from tests.helpers import assert_invariants, enqueue_paths, running_worker, wait_settled
 
 ORIGINAL = "ORIGINAL-ANSWER"
@@ -74,6 +79,19 @@ def test_turns_of_a_conversation_and_the_next_turns_prompt() -> None:
 
 # -- end to end ----------------------------------------------------------------------------
 
+def _turns(line: dict[str, Any]) -> int:
+    return len(line["messages"]) // 2  # a system message, then a user message a turn
+
+
+def _answer(output: str) -> str:
+    _, found, content = output.partition("</think>")
+    return content.strip() if found else ""
+
+
+def _thought(output: str) -> str:
+    return output.partition("</think>")[0].strip()
+
+
 def _reference_ids(hf: Any, line: dict[str, Any], answers: list[str], turn: int) -> list[int]:
     """Turn ``turn``'s ids built here: the line's messages up to that user turn, each
     earlier answer replaced by the stored own answer, reasoning split at ``</think>``."""
@@ -87,9 +105,8 @@ def _reference_ids(hf: Any, line: dict[str, Any], answers: list[str], turn: int)
             seen += 1
             if seen == turn:
                 break
-            thought, _, content = answers[seen - 1].partition("</think>")
-            own = {"role": "assistant", "content": content.strip(),
-                   "reasoning_content": thought.strip()}
+            own = {"role": "assistant", "content": _answer(answers[seen - 1]),
+                   "reasoning_content": _thought(answers[seen - 1])}
             messages.append(own)
         else:
             messages.append(message)
@@ -120,9 +137,11 @@ def _check_round_trip(store: Store, sim_url: str, hf: Any, dataset: str,
     assert set(by) == {line["id"] for line in lines}
     for line in lines:
         rows = by[line["id"]]
-        assert [r.turn for r in rows] == list(range(1, 1 + len(line["messages"]) // 2))
+        assert [r.turn for r in rows] == list(range(1, 1 + len(rows)))
         answers = [r.output_text for r in rows]
         assert all(a is not None for a in answers), line["id"]
+        if len(rows) < _turns(line):  # it ended early, on a turn without an answer
+            assert not _answer(answers[-1]), line["id"]
         for r in rows:
             ids = _reference_ids(hf, line, answers, r.turn)
             assert r.input_ids == ids, (line["id"], r.turn)
@@ -133,22 +152,156 @@ def _check_round_trip(store: Store, sim_url: str, hf: Any, dataset: str,
 
 
 def test_every_turn_is_regenerated_after_the_models_own_answers(
-    settings: Settings, store: Store, ledger: Ledger, tmp_path: Path
+    settings: Settings, store: Store, ledger: Ledger, tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     path = _write(tmp_path / "talk.jsonl", LINES)
-    [summary] = enqueue_paths(settings, [str(path)], max_new_tokens=48, turns="all")
+    [summary] = enqueue_paths(settings, [str(path)], max_new_tokens=400, turns="all")
     assert (summary.read, summary.bad, summary.enqueued) == (len(LINES), 0, len(LINES))
     assert store.dataset("talk").turns == "all"
     with running_worker(settings, concurrency=4):
-        wait_settled(store, ["talk"])
+        wait_settled(store, ["talk"], client=ledger.redis)
     assert_invariants(store, ledger, ["talk"])
-    turns = sum(len(line["messages"]) // 2 for line in LINES)
-    assert store.prompt_counts("talk") == {"done": turns}
     hf = load_tokenizer(str(BUNDLED_TOKENIZER))
     _check_round_trip(store, settings.sglang_urls[0], hf, "talk", LINES)
+    by = _turn_rows(store, "talk")
+    assert store.prompt_counts("talk") == {"done": sum(len(rows) for rows in by.values())}
+    complete = sum(len(by[line["id"]]) == _turns(line) for line in LINES)
+    assert complete > len(LINES) // 2  # most answers are whole at this cap
     counts = conversation_counts(store, "talk", closed=False)
-    assert (counts.total, counts.complete, counts.partial) == (len(LINES), len(LINES), 0)
+    assert (counts.total, counts.complete, counts.partial) == (
+        len(LINES), complete, len(LINES) - complete)
 
     # A re-run enqueues nothing: every turn is stored, nothing generated again.
-    [again] = enqueue_paths(settings, [str(path)], max_new_tokens=48, turns="all")
+    [again] = enqueue_paths(settings, [str(path)], max_new_tokens=400, turns="all")
     assert (again.enqueued, again.already_done) == (0, len(LINES))
+
+    for key, value in settings.to_env().items():
+        monkeypatch.setenv(key, value)
+    _check_specforge(store, tmp_path / "export", "talk", LINES)
+
+
+def _check_specforge(store: Store, out: Path, dataset: str, lines: list[dict[str, Any]]
+                     ) -> None:
+    """One SpecForge row per conversation, every answer in it the model's own, split into
+    content and reasoning_content; validate agrees with SQL."""
+    assert main(["export", "--format", "specforge", "--out", str(out)]) == 0
+    rows = [json.loads(x) for x in
+            (out / f"{dataset}.specforge.jsonl").read_text().splitlines()]
+    by = _turn_rows(store, dataset)
+    # A conversation that ended on a turn without an answer has no row SpecForge takes.
+    assert len(rows) == sum(bool(_answer(by[line["id"]][-1].output_text)) for line in lines)
+    for row in rows:
+        conversation, _, last = row["id"].partition("#turn")
+        turns = by[conversation]
+        assert int(last) == len(turns)
+        answers = [m for m in row["conversations"] if m["role"] == "assistant"]
+        assert len(answers) == len(turns)
+        for message, turn in zip(answers, turns, strict=True):
+            assert (message["content"], message["reasoning_content"]) == (
+                _answer(turn.output_text), _thought(turn.output_text))
+        assert ORIGINAL not in json.dumps(row)
+    assert main(["validate", str(out)]) == 0
+
+
+def test_a_budget_closing_mid_conversation_starts_no_later_turn(
+    settings: Settings, store: Store, ledger: Ledger, tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str],
+) -> None:
+    lines = [_conversation(2 * i, 3) for i in range(6)]  # 3 answers each, 18 turns
+    path = _write(tmp_path / "short.jsonl", lines)
+    enqueue_paths(settings, [str(path)], budget=Budget(300), max_new_tokens=48, turns="all")
+    # One task at a time: each request starts after the one before it is stored, so once
+    # the crossing turn is stored no request can have been admitted before the close.
+    with running_worker(settings, concurrency=1):
+        wait_settled(store, ["short"], client=ledger.redis)
+    ds = store.dataset("short")
+    assert ds.state == "closed" and ds.closed_at is not None
+    log = requests.get(f"{settings.sglang_urls[0]}/sim/requests", timeout=5).json()
+    assert log and max(r["arrived_ts"] for r in log) <= ds.closed_at.timestamp()
+    assert_invariants(store, ledger, ["short"])
+
+    by = _turn_rows(store, "short")
+    stored = {c: sum(r.output_text is not None for r in rows) for c, rows in by.items()}
+    waiting = [r for rows in by.values() for r in rows if r.output_text is None]
+    # The turns the stored ones made possible are kept, queued, and were never sent.
+    assert waiting and all(r.turn > 1 for r in waiting)
+    sent = {r["input_sha1"] for r in log}
+    assert not any(input_sha1(r.input_ids) in sent for r in waiting)
+    partial = sum(0 < n < 3 for n in stored.values())
+    counts = conversation_counts(store, "short", closed=True)
+    assert partial > 0
+    assert (counts.total, counts.complete, counts.partial, counts.in_progress) == (
+        6, sum(n == 3 for n in stored.values()), partial, 0)
+
+    for key, value in settings.to_env().items():
+        monkeypatch.setenv(key, value)
+    assert main(["status", "--json"]) == 0
+    [row] = json.loads(capsys.readouterr().out)["datasets"]
+    assert row["conversations"]["partial"] == partial
+
+
+def test_workers_killed_mid_conversation_store_every_turn_once(tmp_path: Path) -> None:
+    """Two worker processes, one SIGKILLed while it holds turns, replaced at once: every
+    conversation ends complete (or partial on a turn without an answer), each turn is
+    stored once and its successor made once, and Redis's counters equal SQL's."""
+    from tests.faultkit import PrivateRedis, Sim, Workers, held_unacked, wait_for
+    from tests.faultkit_checks import check_run, load_requests, quiesce, settle
+
+    lines = [_conversation(2 * i, 3) for i in range(30)]  # 90 turns
+    path = _write(tmp_path / "chats.jsonl", lines)
+    with PrivateRedis() as server, Sim(tmp_path / "sim.jsonl", decode_tok_per_s=50,
+                                       mean_output_tokens=80, max_running_requests=64) as sim:
+        settings = make_settings(f"sqlite:///{tmp_path / 'db.sqlite'}", sim.url,
+                                 redis_url=server.url, heartbeat_s=1.0, dead_after_s=5.0,
+                                 sweep_s=2.0, sweep_quiet_s=5.0)
+        store, ledger = Store(settings.database_url), Ledger(server.client())
+        enqueue_paths(settings, [str(path)], max_new_tokens=400, turns="all")
+        with Workers(settings, tmp_path / "workers.log") as workers:
+            workers.start("ta", 8)
+            workers.start("tb", 8)
+            # Mid-run: some second turns stored, and the victim holding messages.
+            wait_for(lambda: store.prompt_counts("chats").get("done", 0) >= 20, 120,
+                     "20 turns stored")
+            wait_for(lambda: bool(held_unacked(server.client(), "ta")), 30, "ta holding")
+            workers.kill("ta")
+            workers.start("tc", 8)
+            assert settle(store, ["chats"], 240), workers.text()[-3000:]
+            quiesce(ledger, ["chats"])
+        check = check_run(store, ledger, ["chats"], entries=load_requests(log_file=sim.log_file))
+    check.assert_ok()  # every turn settled once, no duplicate row, counters equal SQL
+    by = _turn_rows(store, "chats")
+    assert set(by) == {line["id"] for line in lines}
+    for rows in by.values():
+        assert [r.turn for r in rows] == list(range(1, len(rows) + 1))  # each turn once
+        assert all(r.output_text is not None for r in rows)
+        assert len(rows) == 3 or not _answer(rows[-1].output_text)
+    counts = conversation_counts(store, "chats", closed=False)
+    assert counts.in_progress == counts.not_started == 0
+    assert counts.complete + counts.partial == len(lines)
+
+
+def test_turns_with_a_code_tokenizer_whose_template_renders_earlier_reasoning(
+    sqlite_url: str, code_sim: str, redis_client: redis.Redis, remote_tokenizer: Path,
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The test tokenizer that is Python code renders an earlier answer's reasoning: each
+    later turn's ids carry the model's own reasoning, split off its answer, and never the
+    line's."""
+    requests.post(f"{code_sim}/sim/reset", timeout=5).raise_for_status()
+    settings = make_settings(sqlite_url, code_sim, tokenizer=str(remote_tokenizer),
+                             trust_remote_code=True)
+    for key, value in settings.to_env().items():
+        monkeypatch.setenv(key, value)
+    path = _write(tmp_path / "coded.jsonl", LINES)
+    assert main(["enqueue", str(path), "-q", "--turns", "all", "--max-new-tokens", "400"]) == 0
+    store, ledger = Store(sqlite_url), Ledger(redis_client)
+    with running_worker(settings, concurrency=4):
+        wait_settled(store, ["coded"], client=redis_client)
+    assert_invariants(store, ledger, ["coded"])
+    hf = load_tokenizer(str(remote_tokenizer), trust_remote_code=True)
+    _check_round_trip(store, code_sim, hf, "coded", LINES)
+    later = [r for rows in _turn_rows(store, "coded").values() for r in rows if r.turn > 1]
+    assert later and all("<think>" in hf.decode(r.input_ids).partition("<think>")[2]
+                         for r in later)
+    _check_specforge(store, tmp_path / "export", "coded", LINES)

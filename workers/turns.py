@@ -59,7 +59,9 @@ class NextTurns:
     def build(self, kept: Sequence[Kept]) -> dict[tuple[str, str], NewPrompt]:
         """The next turn of each kept row that is a conversation's turn with one after it,
         by the row's key. A row cut to the budget (``exact``) gets none: its answer is not
-        the model's whole answer."""
+        the model's whole answer; nor does one without an answer (cut off while still
+        reasoning, or empty): no user replies to it, and SpecForge refuses an empty
+        assistant turn. Its conversation ends there, partial."""
         wanted = [(ds, row) for ds, row in kept
                   if ds.turns == "all" and row.finish_reason != "budget"]
         if not wanted:
@@ -70,15 +72,19 @@ class NextTurns:
             context = contexts.get(row.key)
             if context is None or context.turn >= context.turns:
                 continue
-            made[row.key] = self._next(ds, row, context)
+            following = self._next(ds, row, context)
+            if following is not None:
+                made[row.key] = following
         return made
 
-    def _next(self, ds: DatasetRow, row: ResultRow, context: TurnContext) -> NewPrompt:
+    def _next(self, ds: DatasetRow, row: ResultRow, context: TurnContext) -> NewPrompt | None:
         turn = context.turn + 1
         try:
             templater = self.templater(ds)
             answer = own_answer(row.output_text, templater.split_reasoning,
                                 templater.reasoning_close is not None)
+            if not str(answer["content"]).strip():
+                return None
             messages = next_turn(context.original, context.prompt, context.turn, answer)
             [input_ids] = templater.encode_batch([messages], [context.tools])
         except Exception as exc:  # the conversation ends here, with the reason stored
