@@ -16,18 +16,26 @@ import redis
 import requests
 import sqlalchemy as sa
 
+from common.audit import queued_in_redis, requeue_lost
 from common.budget import Budget
+from common.celery_app import make_celery
 from common.conversation import first_turn, next_turn, turn_count, turn_starts
-from common.conversation_store import conversation_counts
+from common.conversation_store import conversation_counts, queued_later_turns
+from common.errors import ConfigError
+from common.keys import dataset_keys
 from common.ledger import Ledger
+from common.publish import Publisher
 from common.schema import prompt_inputs, results
 from common.settings import Settings
 from common.store import Store
 from common.tokenizer_files import load_tokenizer
 from ops.cli import main
+from producer.plan import plans_from_manifest
 from producer.template import BUNDLED_TOKENIZER
+from producer.turns import TOOLS_NOTE
 from sim.reqlog import input_sha1
 from tests.conftest import make_settings
+from tests.faultkit import wait_for
 from tests.helpers import assert_invariants, enqueue_paths, running_worker, wait_settled
 
 ORIGINAL = "ORIGINAL-ANSWER"
@@ -245,7 +253,7 @@ def test_workers_killed_mid_conversation_store_every_turn_once(tmp_path: Path) -
     """Two worker processes, one SIGKILLed while it holds turns, replaced at once: every
     conversation ends complete (or partial on a turn without an answer), each turn is
     stored once and its successor made once, and Redis's counters equal SQL's."""
-    from tests.faultkit import PrivateRedis, Sim, Workers, held_unacked, wait_for
+    from tests.faultkit import PrivateRedis, Sim, Workers, held_unacked
     from tests.faultkit_checks import check_run, load_requests, quiesce, settle
 
     lines = [_conversation(2 * i, 3) for i in range(30)]  # 90 turns
@@ -305,3 +313,59 @@ def test_turns_with_a_code_tokenizer_whose_template_renders_earlier_reasoning(
     assert later and all("<think>" in hf.decode(r.input_ids).partition("<think>")[2]
                          for r in later)
     _check_specforge(store, tmp_path / "export", "coded", LINES)
+
+
+def test_a_next_turn_stored_but_not_published_is_sent_by_the_sweep_and_by_enqueue(
+    settings: Settings, store: Store, ledger: Ledger, tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    lines = [_conversation(2 * i, 2) for i in range(4)]
+    path = _write(tmp_path / "lost.jsonl", lines)
+    enqueue_paths(settings, [str(path)], max_new_tokens=400, turns="all")
+    # A worker that dies between storing a turn and publishing the next: no publishing.
+    monkeypatch.setattr("workers.pipeline.publish_next", lambda *args: False)
+    with running_worker(settings, concurrency=4):
+        wait_for(lambda: store.prompt_counts("lost").get("done", 0) == len(lines), 60,
+                 "first turns stored")
+    later = queued_later_turns(store, "lost")
+    assert len(later) == sum(bool(_answer(rows[0].output_text))
+                             for rows in _turn_rows(store, "lost").values())
+    assert later and queued_in_redis(ledger.redis, "lost") == set()
+    monkeypatch.undo()
+
+    app = make_celery(settings)
+    assert requeue_lost(store, ledger.redis, Publisher(app), quiet_for_s=0) == {
+        "lost": len(later)}
+    assert queued_in_redis(ledger.redis, "lost") == set(later)
+    ledger.redis.delete(*dataset_keys("lost").queue_lists)  # lost again
+    [again] = enqueue_paths(settings, [str(path)], max_new_tokens=400, turns="all")
+    assert (again.enqueued, again.already_done) == (len(later), len(lines))
+    assert queued_in_redis(ledger.redis, "lost") == set(later)
+    with running_worker(settings, concurrency=4):
+        wait_settled(store, ["lost"], client=ledger.redis)
+    assert_invariants(store, ledger, ["lost"])
+    assert conversation_counts(store, "lost", closed=False).in_progress == 0
+
+
+def test_turns_from_a_manifest_and_a_mode_kept_per_dataset(
+    settings: Settings, store: Store, tmp_path: Path
+) -> None:
+    path = _write(tmp_path / "mixed.jsonl", [
+        LINES[2],
+        {"id": "tooled", "tools": [{"type": "function", "function": {"name": "f"}}],
+         "messages": [{"role": "user", "content": "q"}]},
+    ])
+    manifest = tmp_path / "m.toml"
+    manifest.write_text(f'[datasets.mixed]\nfiles = ["{path.name}"]\nturns = "all"\n')
+    [plan] = plans_from_manifest(str(manifest), Budget(), {}, 64)
+    assert plan.turns == "all"
+    manifest.write_text(f'[datasets.mixed]\nfiles = ["{path.name}"]\nturns = "some"\n')
+    with pytest.raises(ConfigError, match="turns must be one of last, all"):
+        plans_from_manifest(str(manifest), Budget(), {}, 64)
+
+    [summary] = enqueue_paths(settings, [str(path)], turns="all")
+    # The tool conversation is taken at its last turn, as today, and said so.
+    assert summary.notes == [TOOLS_NOTE.format(n=1)]
+    assert set(store.prompt_states("mixed")) == {"c2#turn1", "tooled"}
+    with pytest.raises(ConfigError, match="--turns all"):
+        enqueue_paths(settings, [str(path)], turns="last")
