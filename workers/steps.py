@@ -11,6 +11,7 @@ thread hand-offs each blocking call costs a process of many threads.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -21,6 +22,7 @@ from common.sglang_client import Completion
 from common.store import DatasetRow, PromptRow, Store
 from workers.results import commit_rows
 
+log = logging.getLogger(__name__)
 # Expected output of one request before a dataset has any result (admission estimate).
 DEFAULT_EXPECTED_TOKENS = 2048
 
@@ -82,8 +84,7 @@ def settle_group(store: Store, ledger: Ledger, build_row: RowBuilder,
                 failed[i] = exc
     then: dict[tuple[str, str], NewPrompt] = {}
     try:
-        if follow is not None and rows:
-            then = follow([(items[i][0], row) for i, row in rows.items()])
+        then = _follows(follow, [(items[i][0], row) for i, row in rows.items()])
         stored = dict(zip(rows, commit_rows(store, list(rows.values()), then), strict=True))
     except UNAVAILABLE as exc:
         stored = dict.fromkeys(rows, exc)  # each task waits the database out for its row
@@ -97,6 +98,23 @@ def settle_group(store: Store, ledger: Ledger, build_row: RowBuilder,
         else:
             settled.append(Settled(charge, row, inserted=bool(outcome), then=follows))
     return settled
+
+
+def _follows(follow: FollowBuilder | None, kept: list[tuple[DatasetRow, ResultRow]]
+             ) -> dict[tuple[str, str], NewPrompt]:
+    """The prompts the kept rows make possible. A failure to build them other than the
+    database being away (which every task waits out, building its own again) must not
+    cost the group its results, charged already: they are stored without, and logged."""
+    if follow is None or not kept:
+        return {}
+    try:
+        return follow(kept)
+    except UNAVAILABLE:
+        raise
+    except Exception:
+        log.exception("next turns of %d stored rows not built; their conversations end "
+                      "there", len(kept))
+        return {}
 
 
 def result_row(ds: DatasetRow, sample_id: str, c: Completion, charge: ChargeResult, *,
