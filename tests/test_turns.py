@@ -37,6 +37,8 @@ from sim.reqlog import input_sha1
 from tests.conftest import make_settings
 from tests.faultkit import wait_for
 from tests.helpers import assert_invariants, enqueue_paths, running_worker, wait_settled
+from workers.context import WorkerContext
+from workers.pipeline import Outcome, run_sample
 
 ORIGINAL = "ORIGINAL-ANSWER"
 
@@ -369,3 +371,53 @@ def test_turns_from_a_manifest_and_a_mode_kept_per_dataset(
     assert set(store.prompt_states("mixed")) == {"c2#turn1", "tooled"}
     with pytest.raises(ConfigError, match="--turns all"):
         enqueue_paths(settings, [str(path)], turns="last")
+
+
+def test_a_redelivered_turn_publishes_its_next_and_a_failed_build_keeps_the_result(
+    settings: Settings, store: Store, ledger: Ledger, tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    path = _write(tmp_path / "redo.jsonl", [_conversation(0, 2), _conversation(2, 2)])
+    enqueue_paths(settings, [str(path)], max_new_tokens=400, turns="all")
+    ledger.redis.delete(*dataset_keys("redo").queue_lists)  # the tasks run by hand below
+    ctx = WorkerContext.build(settings)
+    assert run_sample(ctx, "redo", "c0#turn1") == Outcome.DONE
+    # The simulator's output is a function of the prompt: this one has an answer.
+    assert _answer(_turn_rows(store, "redo")["c0"][0].output_text)
+    assert queued_in_redis(ledger.redis, "redo") == {"c0#turn2"}
+    # The worker died after the commit, before publishing: the redelivered turn does it.
+    ledger.redis.delete(*dataset_keys("redo").queue_lists)
+    assert run_sample(ctx, "redo", "c0#turn1") == Outcome.ALREADY_DONE
+    assert queued_in_redis(ledger.redis, "redo") == {"c0#turn2"}
+
+    # Building the next turn fails: the turn's result is stored all the same.
+    def broken(kept: Any) -> Any:
+        raise RuntimeError("no template today")
+
+    monkeypatch.setattr(ctx.next_turns, "build", broken)
+    assert run_sample(ctx, "redo", "c2#turn1") == Outcome.DONE
+    assert [r.turn for r in _turn_rows(store, "redo")["c2"]] == [1]
+    assert store.prompt_counts("redo") == {"done": 2, "queued": 1}
+
+
+def test_an_exact_close_cuts_a_turn_and_gives_it_no_successor(
+    settings: Settings, store: Store, ledger: Ledger, tmp_path: Path
+) -> None:
+    lines = [_conversation(2 * i, 3) for i in range(4)]
+    path = _write(tmp_path / "cut.jsonl", lines)
+    enqueue_paths(settings, [str(path)], budget=Budget(250, policy="exact"),
+                  max_new_tokens=400, turns="all")
+    with running_worker(settings, concurrency=1):
+        wait_settled(store, ["cut"], client=ledger.redis)
+    assert store.dataset("cut").state == "closed"
+    assert store.used_tokens("cut", store.dataset("cut").budget) == 250
+    assert_invariants(store, ledger, ["cut"])
+    with store.engine.connect() as conn:
+        cut = conn.execute(sa.select(prompt_inputs.c.conversation, prompt_inputs.c.turn)
+                           .join(results, sa.and_(
+                               results.c.dataset == prompt_inputs.c.dataset,
+                               results.c.sample_id == prompt_inputs.c.sample_id))
+                           .where(results.c.dataset == "cut",
+                                  results.c.finish_reason == "budget")).one()
+    turns = [r.turn for r in _turn_rows(store, "cut")[cut.conversation]]
+    assert turns[-1] == cut.turn  # nothing made after the cut answer
