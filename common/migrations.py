@@ -1,8 +1,9 @@
 """Upgrades of a database written by an earlier version, run once, on first use.
 
 Two so far: prompts' messages and token ids move to ``prompt_inputs`` (common/schema.py
-says why), and ``prompt_inputs`` gets the columns added since (``ADDED_INPUT_COLUMNS``,
-nullable: rows written before hold NULL there). Every process that opens the database
+says why), and ``prompt_inputs`` and ``datasets`` get the columns added since
+(``ADDED_INPUT_COLUMNS``, ``ADDED_DATASET_COLUMNS``, nullable: rows written before hold
+NULL there), with the indexes on them (``ADDED_INDEXES``). Every process that opens the database
 checks; the first to find an old layout upgrades it under the database's write lock, in
 one transaction, and the others, waiting on that lock, find it done. A crash halfway
 leaves the old layout.
@@ -17,7 +18,14 @@ from typing import Any
 import sqlalchemy as sa
 
 from common.errors import ConfigError, DatagenError
-from common.schema import ADDED_INPUT_COLUMNS, INPUT_COLUMNS, prompt_inputs
+from common.schema import (
+    ADDED_DATASET_COLUMNS,
+    ADDED_INDEXES,
+    ADDED_INPUT_COLUMNS,
+    INPUT_COLUMNS,
+    datasets,
+    prompt_inputs,
+)
 
 log = logging.getLogger("datagen.migrations")
 
@@ -41,10 +49,17 @@ def _has_old_layout(cursor: Any, dialect: str) -> bool:
     return bool(set(INPUT_COLUMNS) & _columns(cursor, dialect, "prompts"))
 
 
-def _missing_columns(cursor: Any, dialect: str) -> list[str]:
-    """Columns added to prompt_inputs since it was created that it lacks."""
-    have = _columns(cursor, dialect, "prompt_inputs")
-    return [c for c in ADDED_INPUT_COLUMNS if c not in have]
+_ADDED: tuple[tuple[sa.Table, tuple[str, ...]], ...] = (
+    (prompt_inputs, ADDED_INPUT_COLUMNS), (datasets, ADDED_DATASET_COLUMNS))
+
+
+def _missing_columns(cursor: Any, dialect: str) -> list[sa.Column[Any]]:
+    """Columns added to the tables since they were created that they lack."""
+    missing = []
+    for table, added in _ADDED:
+        have = _columns(cursor, dialect, table.name)
+        missing += [table.c[c] for c in added if c not in have]
+    return missing
 
 
 def _needs_upgrade(cursor: Any, dialect: str) -> bool:
@@ -68,11 +83,18 @@ def _apply(cursor: Any, dialect: Any, url: str) -> None:
                 f"be upgraded (ALTER TABLE DROP COLUMN); this Python has "
                 f"{sqlite3.sqlite_version}")
         _move(cursor, url)
-    for name in _missing_columns(cursor, dialect.name):
-        log.warning("%s: adding column %s to the prompt_inputs table, once (a database "
-                    "written by an earlier datagen)", url, name)
-        kind = prompt_inputs.c[name].type.compile(dialect=dialect)
-        cursor.execute(f"ALTER TABLE prompt_inputs ADD COLUMN {name} {kind}")
+    missing = _missing_columns(cursor, dialect.name)
+    for column in missing:
+        log.warning("%s: adding column %s to the %s table, once (a database written by "
+                    "an earlier datagen)", url, column.name, column.table.name)
+        kind = column.type.compile(dialect=dialect)
+        cursor.execute(f"ALTER TABLE {column.table.name} ADD COLUMN {column.name} {kind}")
+    if missing:
+        for index in prompt_inputs.indexes:
+            if index.name in ADDED_INDEXES:
+                cols = ", ".join(c.name for c in index.columns)
+                cursor.execute(f"CREATE INDEX IF NOT EXISTS {index.name} ON "
+                               f"{index.table.name} ({cols})")  # type: ignore[union-attr]
 
 
 def _sqlite(raw: Any, url: str, dialect: Any) -> None:

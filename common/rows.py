@@ -24,6 +24,31 @@ class NewPrompt:
     input_ids: list[int]
     error: str | None = None
     tools: list[dict[str, Any]] | None = None  # the line's function schemas, as read
+    conversation: str | None = None  # a turn of this conversation (common/conversation.py)
+    turn: int | None = None
+
+
+def allowance(prompt_tokens: int, max_new_tokens: int, max_seq_len: int
+              ) -> tuple[str, int, str | None]:
+    """A prompt's (state, max_new_tokens, error) under ``max_seq_len``: skipped when it
+    leaves no room to generate."""
+    room = max_seq_len - prompt_tokens
+    if room <= 0:
+        return "skipped", 0, (f"prompt is {prompt_tokens} tokens; no room to generate "
+                              f"within max_seq_len {max_seq_len}")
+    return "queued", min(max_new_tokens, room), None
+
+
+@dataclass(frozen=True)
+class NewConversation:
+    """A conversation regenerated turn by turn: its ``conversations`` row."""
+
+    dataset: str
+    conversation: str
+    messages: list[dict[str, Any]]
+    tools: list[dict[str, Any]] | None
+    turns: int
+    source: str
 
 
 @dataclass(frozen=True)

@@ -12,6 +12,10 @@ Tables:
             ids inside, a prompt of 1,300 tokens wrote 12.7 KiB to the WAL to be marked done
             (0.7 KiB apart).
   results   one row per generated sample, unique (dataset, sample_id).
+  conversations  one row per conversation whose every assistant turn is regenerated
+            (``--turns all``): its messages as read and how many turns it has. Each turn
+            is a prompt of its own, ``<conversation>#turn<N>``, whose prompt_inputs row
+            names the conversation and the turn (common/conversation.py).
 
 Token id lists are stored as packed little-endian uint32 bytes (4 bytes a token): exact,
 compact, and cheap to write; ``datagen export`` and ``common.tokenids.unpack`` read them.
@@ -54,6 +58,11 @@ datasets = sa.Table(
     sa.Column("tokenizer", sa.String(500), nullable=False),
     sa.Column("template_hash", sa.String(64), nullable=False),
     sa.Column("reasoning_open", sa.String(32)),
+    # "all": every assistant turn regenerated, one prompt per turn; NULL or "last": the
+    # last turn only, after the line's own earlier answers.
+    sa.Column("turns", sa.String(8)),
+    # The chat template's kwargs: workers render a conversation's later turns with them.
+    sa.Column("template_kwargs", sa.JSON(none_as_null=True)),
     # The value every task of the dataset is stamped with, new at creation and at each
     # reopen: workers keep revoked stamps in memory for their whole life, so a dataset
     # reopened (or recreated under the same name) must not match an old revoke.
@@ -91,6 +100,11 @@ prompt_inputs = sa.Table(
     # The line's function schemas as read (OpenAI's), passed to the chat template with its
     # messages; NULL for a line without tools.
     sa.Column("tools", sa.JSON(none_as_null=True)),
+    # A turn of a regenerated conversation: its id and the turn's number (from 1); NULL
+    # for a prompt of its own.
+    sa.Column("conversation", sa.String(200)),
+    sa.Column("turn", sa.Integer),
+    sa.Index("ix_prompt_inputs_conversation", "dataset", "conversation", "turn"),
 )
 
 # The columns prompt_inputs took out of prompts: a database written before has them in
@@ -98,7 +112,11 @@ prompt_inputs = sa.Table(
 INPUT_COLUMNS = ("messages", "input_ids")
 # The columns added to prompt_inputs since it was first created, nullable; an existing
 # database gets them from common/migrations.py on first use.
-ADDED_INPUT_COLUMNS = ("tools",)
+ADDED_INPUT_COLUMNS = ("tools", "conversation", "turn")
+# The same for datasets.
+ADDED_DATASET_COLUMNS = ("turns", "template_kwargs")
+# Indexes on added columns, created with them (create_all makes them for a new table only).
+ADDED_INDEXES = ("ix_prompt_inputs_conversation",)
 
 results = sa.Table(
     "results",
@@ -121,4 +139,17 @@ results = sa.Table(
     sa.Column("created_at", sa.DateTime(timezone=True), nullable=False, default=utcnow),
     sa.UniqueConstraint("dataset", "sample_id", name="uq_results_dataset_sample"),
     sa.Index("ix_results_dataset_created", "dataset", "created_at"),
+)
+
+conversations = sa.Table(
+    "conversations",
+    metadata,
+    sa.Column("dataset", sa.String(100), primary_key=True),
+    sa.Column("conversation", sa.String(200), primary_key=True),
+    # As read, the line's original answers of earlier turns included; no prompt holds them.
+    sa.Column("messages", sa.JSON, nullable=False),
+    sa.Column("tools", sa.JSON(none_as_null=True)),
+    sa.Column("turns", sa.Integer, nullable=False),  # assistant turns to generate
+    sa.Column("source", sa.String(600)),
+    sa.Column("created_at", sa.DateTime(timezone=True), nullable=False, default=utcnow),
 )

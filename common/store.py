@@ -15,8 +15,8 @@ import sqlalchemy as sa
 from common.budget import Budget
 from common.db import insert_ignore, make_engine
 from common.errors import UnknownDatasetError
-from common.rows import NewPrompt, ResultRow
-from common.schema import datasets, meta, prompt_inputs, prompts, results, utcnow
+from common.rows import NewConversation, NewPrompt, ResultRow
+from common.schema import conversations, datasets, meta, prompt_inputs, prompts, results, utcnow
 from common.settings import DEFAULT_DB_CONNECTIONS
 from common.sqltext import storable, storable_or_none
 
@@ -35,6 +35,8 @@ class DatasetRow:
     closed_at: datetime | None = None
     used_at_close: int | None = None
     stamp: str = ""
+    turns: str = "last"  # "all": each conversation regenerated turn by turn
+    template_kwargs: dict[str, Any] | None = None
 
 
 @dataclass(frozen=True)
@@ -73,6 +75,8 @@ def _dataset_row(r: sa.Row[Any]) -> DatasetRow:
         closed_at=as_utc(r.closed_at),
         used_at_close=r.used_at_close,
         stamp=r.stamp,
+        turns=r.turns or "last",
+        template_kwargs=r.template_kwargs,
     )
 
 
@@ -92,6 +96,7 @@ def _columns(table: sa.Table, row_type: type[Any]) -> tuple[str, ...]:
 _PROMPT_COLUMNS = _columns(prompts, NewPrompt)
 _PROMPT_INPUT_COLUMNS = _columns(prompt_inputs, NewPrompt)
 _RESULT_COLUMNS = _columns(results, ResultRow)
+_CONVERSATION_COLUMNS = _columns(conversations, NewConversation)
 
 
 def _values(row: Any, columns: tuple[str, ...], **extra: Any) -> dict[str, Any]:
@@ -148,12 +153,13 @@ class Store:
         self.engine = make_engine(url, connections)
 
     @functools.cached_property
-    def _inserts(self) -> tuple[Any, Any, Any]:
-        """This dialect's INSERT ... ON CONFLICT DO NOTHING into prompts, prompt_inputs and
-        results (the last RETURNING the keys it stored)."""
+    def _inserts(self) -> tuple[Any, Any, Any, Any]:
+        """This dialect's INSERT ... ON CONFLICT DO NOTHING into prompts, prompt_inputs,
+        results (RETURNING the keys it stored) and conversations."""
         return (insert_ignore(self.engine, prompts), insert_ignore(self.engine, prompt_inputs),
                 insert_ignore(self.engine, results).returning(results.c.dataset,
-                                                              results.c.sample_id))
+                                                              results.c.sample_id),
+                insert_ignore(self.engine, conversations))
 
     def _reading(self) -> sa.Connection:
         """A connection for one statement that only reads. On PostgreSQL in autocommit: a
@@ -200,6 +206,8 @@ class Store:
             "tokenizer": row.tokenizer,
             "template_hash": row.template_hash,
             "reasoning_open": row.reasoning_open,
+            "turns": row.turns,
+            "template_kwargs": row.template_kwargs or None,
             "updated_at": utcnow(),
         }
         with self.engine.begin() as conn:
@@ -281,17 +289,29 @@ class Store:
         with self.engine.connect() as conn:
             return {sid: state for sid, state in conn.execute(q)}
 
-    def insert_prompts(self, rows: Sequence[NewPrompt]) -> None:
-        """Store new prompts in one transaction; a prompt stored before is left as it is."""
+    def insert_prompts(self, rows: Sequence[NewPrompt],
+                       conversations: Sequence[NewConversation] = ()) -> None:
+        """Store new prompts (and the conversations whose turns they are) in one
+        transaction; a row stored before is left as it is."""
+        if not rows and not conversations:
+            return
+        with self.engine.begin() as conn:
+            if conversations:
+                now = utcnow()
+                conn.execute(self._inserts[3], [_values(c, _CONVERSATION_COLUMNS,
+                                                        created_at=now)
+                                                for c in conversations])
+            self._insert_prompts(conn, rows)
+
+    def _insert_prompts(self, conn: sa.Connection, rows: Sequence[NewPrompt]) -> None:
         if not rows:
             return
         now = utcnow()  # a prompt's two stamps equal, as the schema's defaults would not be
-        into_prompts, into_inputs, _ = self._inserts
-        with self.engine.begin() as conn:
-            conn.execute(into_prompts, [_values(r, _PROMPT_COLUMNS, created_at=now,
-                                                updated_at=now, error=storable_or_none(r.error))
-                                        for r in rows])
-            conn.execute(into_inputs, [_values(r, _PROMPT_INPUT_COLUMNS) for r in rows])
+        into_prompts, into_inputs, *_ = self._inserts
+        conn.execute(into_prompts, [_values(r, _PROMPT_COLUMNS, created_at=now,
+                                            updated_at=now, error=storable_or_none(r.error))
+                                    for r in rows])
+        conn.execute(into_inputs, [_values(r, _PROMPT_INPUT_COLUMNS) for r in rows])
 
     def refresh_statistics(self) -> None:
         """PostgreSQL: gather the planner's statistics on the prompt tables (no-op on SQLite,
@@ -399,19 +419,25 @@ class Store:
         """Store one result and mark its prompt done, atomically; False if it already existed."""
         return row.key in self.save_results([row])
 
-    def save_results(self, rows: Sequence[ResultRow]) -> set[tuple[str, str]]:
+    def save_results(self, rows: Sequence[ResultRow],
+                     then: Sequence[NewPrompt] = ()) -> set[tuple[str, str]]:
         """Store results and mark their prompts done, all in one transaction (one commit
-        for many samples); returns the (dataset, sample_id) of those not stored before."""
+        for many samples); returns the (dataset, sample_id) of those not stored before.
+
+        ``then``: the prompts these results make possible (a conversation's next turns),
+        stored in the same transaction, so a turn's successor exists exactly when the
+        turn is stored; one stored before is left as it is."""
         if not rows:
             return set()
         now = utcnow()
         # RETURNING, not rowcount: psycopg reports -1 for ON CONFLICT DO NOTHING.
-        *_, into_results = self._inserts
+        into_results = self._inserts[2]
         keys = dict.fromkeys(r.key for r in rows)
         with self.engine.begin() as conn:
             stored = conn.execute(into_results, [_result_values(r, now) for r in rows])
             inserted = {(dataset, sample_id) for dataset, sample_id in stored}
             conn.execute(_mark_done(len(keys)), {"now": now, **_key_params(keys)})
+            self._insert_prompts(conn, then)
         return inserted
 
     def has_result(self, dataset: str, sample_id: str) -> bool:

@@ -48,6 +48,10 @@ def _add_enqueue(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--policy", choices=("drain", "abort", "exact"), default="drain",
                    help="requests in flight when a dataset closes: drain keeps them, abort "
                    "drops them, exact cuts to the budget (default: %(default)s)")
+    p.add_argument("--turns", choices=("last", "all"), default="last",
+                   help="last: regenerate each conversation's last answer after the line's "
+                   "earlier ones; all: regenerate every assistant turn in order, each after "
+                   "the model's own earlier answers (default: %(default)s)")
     add_quiet_flag(p)
 
 

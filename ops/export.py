@@ -40,6 +40,7 @@ from ops.export_formats import (
     Builder,
     LeftOut,
     builder_notes,
+    conversation_ends,
     make_builder,
     output_file,
 )
@@ -121,7 +122,7 @@ def export_dataset(
     path = output_file(out, ds.name, fmt)
     stats = DatasetExport(ds.name, path.name, count_results(store, ds.name, upto), upto,
                           ds.reasoning_open)
-    builder = make_builder(fmt, ds)
+    builder = make_builder(fmt, ds, conversation_ends(store, ds, upto))
     stats.notes.update(builder_notes(builder))
     progress.label(ds.name)
     with open_sink(fmt, path) as sink:

@@ -9,12 +9,14 @@ the two can never disagree about what a correct export is.
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
+from common.conversation_store import latest_turns
 from common.errors import ConfigError
-from common.store import DatasetRow
+from common.store import DatasetRow, Store
 from common.tokenizer_files import code_class
 from ops.export_rows import ExportRow
 from ops.specforge_check import row_error
@@ -35,6 +37,8 @@ REASONS = {
     "think_marker": "a reasoning marker is left in the answer or the reasoning",
     "prompt_breaks_checker": "its prompt turns break SpecForge's checker",
     "empty_output": "no output tokens: nothing to train on",
+    "earlier_turn": "an earlier turn of a conversation: the row of its last stored turn "
+                    "carries it",
 }
 
 
@@ -80,9 +84,16 @@ def reasoning_close(ds: DatasetRow) -> str | None:
 
 
 class SpecForgeBuilder:
-    """``{"id", "status", "conversations"}`` rows as SpecForge's regeneration writes them."""
+    """``{"id", "status", "conversations"}`` rows as SpecForge's regeneration writes them.
 
-    def __init__(self, ds: DatasetRow) -> None:
+    A conversation regenerated turn by turn is one row, its last stored turn's: that
+    turn's prompt holds every earlier answer as the model's own, each with its
+    ``reasoning_content``, and the turn's answer ends it. ``latest``: each conversation's
+    last stored turn (``common.conversation_store.latest_turns``); its earlier turns are
+    left out as ``earlier_turn``."""
+
+    def __init__(self, ds: DatasetRow, latest: Mapping[str, int] | None = None) -> None:
+        self.latest = latest or {}
         self.closer = reasoning_close(ds)
         self.flags = {
             "expect_reasoning": self.closer is not None,
@@ -103,6 +114,10 @@ class SpecForgeBuilder:
             return LeftOut("missing_prompt", "no prompt row for this result")
         if not row.sample_id.strip():
             return LeftOut("invalid_id", f"id {row.sample_id!r} is blank")
+        if row.conversation is not None and row.turn is not None \
+                and row.turn < self.latest.get(row.conversation, row.turn):
+            return LeftOut("earlier_turn", f"turn {row.turn} of {row.conversation}, "
+                           f"carried by turn {self.latest[row.conversation]}")
         reasoning, answer, cut = self.split(row.output_text)
         if cut:
             return LeftOut("cut_while_reasoning", f"no {self.closer} in "
@@ -215,9 +230,17 @@ def builder_notes(builder: AnyBuilder) -> dict[str, str]:
     return {"text": builder.text_note} if isinstance(builder, SpeculatorsBuilder) else {}
 
 
-def make_builder(fmt: str, ds: DatasetRow) -> AnyBuilder:
+def conversation_ends(store: Store, ds: DatasetRow, upto_id: int) -> dict[str, int] | None:
+    """Each conversation's last stored turn, for a dataset regenerated turn by turn."""
+    return latest_turns(store, ds.name, upto_id) if ds.turns == "all" else None
+
+
+def make_builder(fmt: str, ds: DatasetRow, latest: Mapping[str, int] | None = None
+                 ) -> AnyBuilder:
+    """``latest``: each conversation's last stored turn, for SpecForge's one row per
+    conversation."""
     if fmt == "specforge":
-        return SpecForgeBuilder(ds)
+        return SpecForgeBuilder(ds, latest)
     if fmt == "speculators":
         return SpeculatorsBuilder(ds)
     if fmt == "parquet":

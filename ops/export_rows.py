@@ -48,6 +48,8 @@ class ExportRow:
     input_ids: list[int] | None
     max_new_tokens: int | None
     tools: list[dict[str, Any]] | None = None  # the prompt's function schemas, if any
+    conversation: str | None = None  # a turn of this conversation (``--turns all``)
+    turn: int | None = None
 
 
 RESULT_COLUMNS: tuple[str, ...] = tuple(c.name for c in results.columns)
@@ -61,6 +63,8 @@ def _select() -> sa.Select[Any]:
         prompt_inputs.c.input_ids,
         prompts.c.max_new_tokens,
         prompt_inputs.c.tools,
+        prompt_inputs.c.conversation,
+        prompt_inputs.c.turn,
     ).select_from(
         results.outerjoin(
             prompt_inputs,

@@ -18,6 +18,12 @@ retried without end, so this, with ``last_error`` and ``last_error_count`` (how 
 them hold that newest error), is what tells a stuck run from an idle one. A closed
 dataset has none: its prompts left queued are dropped when a worker meets them.
 
+``conversations`` (datasets enqueued with ``--turns all``; null otherwise) counts the
+dataset's conversations by state, read from their turns (common/conversation_store.py):
+``complete``, ``in_progress``, ``partial`` (some turns stored, none left to run: the
+dataset closed, or a turn failed or had no room) and ``not_started``. There, ``prompts``
+and the state counts are turns.
+
 A Redis that holds no ledger of a dataset SQL knows (flushed, restarted without its
 data, or a new database) would show zero tokens used: status rebuilds it from SQL first,
 as workers and ``enqueue`` do, and says so under the table (on stderr with ``--json``).
@@ -42,6 +48,7 @@ from rich.console import Console, Group, RenderableType
 from rich.live import Live
 
 from common.console import make_console
+from common.conversation_store import ConversationCounts, conversation_counts
 from common.failures import STOPPED, commonest_error
 from common.ledger import Ledger, LedgerState
 from common.reconcile import reconcile_dataset
@@ -85,6 +92,7 @@ class DatasetStatus:
     last_error: str | None = None
     last_error_count: int = 0
     stop_error: str | None = None
+    conversations: dict[str, int] | None = None
 
 
 @dataclass(frozen=True)
@@ -134,7 +142,7 @@ def _state(ds: DatasetRow, led: LedgerState) -> str:
 
 def _row(ds: DatasetRow, counts: dict[str, int], led: LedgerState, sums: ResultSums,
          recent: ResultSums | None, retry: Retrying,
-         stop_error: str | None) -> DatasetStatus:
+         stop_error: str | None, chats: ConversationCounts | None = None) -> DatasetStatus:
     state = _state(ds, led)
     closed = state != "open"
     if closed:  # its prompts left queued are dropped, not retried, whatever they last met
@@ -168,6 +176,7 @@ def _row(ds: DatasetRow, counts: dict[str, int], led: LedgerState, sums: ResultS
         last_error=retry.last_error,
         last_error_count=retry.last_error_samples,
         stop_error=stop_error if state == "stopped" else None,
+        conversations=None if chats is None else asdict(chats),
     )
 
 
@@ -181,10 +190,13 @@ def collect(store: Store, ledger: Ledger, now: datetime | None = None) -> list[D
     for ds in dsets:
         led = ledger.state(ds.name)
         # Read for a stopped dataset only: the error its failures share is why it stopped.
-        shared = commonest_error(store, ds.name) if _state(ds, led) == "stopped" else None
+        state = _state(ds, led)
+        shared = commonest_error(store, ds.name) if state == "stopped" else None
+        chats = (conversation_counts(store, ds.name, closed=state != "open")
+                 if ds.turns == "all" else None)
         rows.append(_row(ds, counts.get(ds.name, {}), led, sums.get(ds.name, ResultSums()),
                          recent.get(ds.name), retrying.get(ds.name, Retrying()),
-                         shared[0] if shared else None))
+                         shared[0] if shared else None, chats))
     return rows
 
 

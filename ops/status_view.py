@@ -68,8 +68,8 @@ def _one_line(text: str) -> str:
 
 def notes(rows: Sequence[DatasetStatus]) -> list[str]:
     """Lines for datasets that need a look: those stopped by an error all their failures
-    share, with what to do, and those whose samples wait to be retried, with the newest
-    error.
+    share, with what to do, those whose samples wait to be retried, with the newest
+    error, and the conversations of datasets regenerated turn by turn, by state.
 
     Samples retried against a server that refuses connections sit in the workers, neither
     queued nor in flight, so without this line a stuck run would look idle and fine."""
@@ -83,7 +83,14 @@ def notes(rows: Sequence[DatasetStatus]) -> list[str]:
         f"({r.last_error_count:,} of them): {_one_line(r.last_error or '')}"
         for r in rows if r.retrying
     ]
-    return stopped + retrying
+    return stopped + retrying + [_conversations(r) for r in rows if r.conversations]
+
+
+def _conversations(r: DatasetStatus) -> str:
+    c = r.conversations or {}
+    return (f"{r.name}: {c['total']:,} conversations, turn by turn (its prompts are turns): "
+            f"{c['complete']:,} complete, {c['in_progress']:,} in progress, "
+            f"{c['partial']:,} partial, {c['not_started']:,} not started")
 
 
 def render(rows: Sequence[DatasetStatus], totals: Totals | None,

@@ -39,7 +39,7 @@ from common.settings import Settings
 from common.store import Store
 from ops.argtypes import add_quiet_flag
 from ops.export import MANIFEST
-from ops.export_formats import FORMATS, LeftOut, make_builder
+from ops.export_formats import FORMATS, LeftOut, conversation_ends, make_builder
 from ops.export_io import read_records
 from ops.export_rows import LOOKUP_CHUNK, count_results, iter_rows, lookup_rows, snapshot_id
 from ops.validate_checks import MAX_SHOWN, Findings, describe_diff, record_id, shape_error
@@ -83,7 +83,8 @@ class DatasetCheck:
         # Only a file name: a manifest must not point validate outside the export.
         self.path = directory / Path(str(entry.get("file", ""))).name
         self.upto = int(entry.get("upto_result_id", 0))
-        self.builder = make_builder(fmt, store.dataset(name))
+        ds = store.dataset(name)
+        self.builder = make_builder(fmt, ds, conversation_ends(store, ds, self.upto))
         self.findings = findings
         self.seen: set[str] = set()
         self.records = 0

@@ -53,10 +53,12 @@ def build_plans(args: argparse.Namespace, settings: Settings) -> list[DatasetPla
     if args.max_new_tokens <= 0 or args.max_seq_len <= 1:
         raise ConfigError("--max-new-tokens and --max-seq-len must be positive")
     if args.manifest:
-        return plans_from_manifest(args.manifest, budget, _sampling(args), args.max_new_tokens)
+        return plans_from_manifest(args.manifest, budget, _sampling(args), args.max_new_tokens,
+                                   args.turns)
     if not args.paths:
         raise ConfigError("give prompt files or folders, or --manifest FILE")
-    return plans_from_paths(args.paths, budget, _sampling(args), args.max_new_tokens)
+    return plans_from_paths(args.paths, budget, _sampling(args), args.max_new_tokens,
+                            args.turns)
 
 
 def run_enqueue(args: argparse.Namespace, settings: Settings) -> int:
@@ -83,6 +85,8 @@ def print_summary(summaries: list[DatasetSummary], elapsed_s: float) -> None:
     for s in summaries:
         for problem in s.problems[:MAX_PROBLEMS_SHOWN]:
             print(problem, file=sys.stderr)
+        for note in s.notes:
+            print(f"{s.name}: {note}", file=sys.stderr)
         hidden = s.bad + s.duplicates - min(len(s.problems), MAX_PROBLEMS_SHOWN)
         if hidden > 0:
             print(f"{s.name}: ... and {hidden} more problems", file=sys.stderr)

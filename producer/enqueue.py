@@ -16,17 +16,19 @@ from dataclasses import dataclass, field
 from celery import Celery
 
 from common.audit import queued_in_redis
+from common.conversation_store import queued_later_turns
 from common.errors import ConfigError
 from common.ledger import Ledger
 from common.publish import Publisher
 from common.reconcile import reconcile_dataset
-from common.rows import NewPrompt
+from common.rows import NewPrompt, allowance
 from common.sampling_rules import check_sampling
 from common.store import DatasetRow, Store
 from producer.plan import DatasetPlan
 from producer.reader import PromptRecord, ReadReport, read_dataset
 from producer.sending import Sender
 from producer.template import ChatTemplater
+from producer.turns import TOOLS_NOTE, conversation_row, first_turns, turn_of
 
 CHUNK = 1000
 # Chunks handed to the writer and not yet written: enough to keep every stage busy while
@@ -51,6 +53,7 @@ class DatasetSummary:
     failed_before: int = 0
     closed: bool = False
     problems: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)  # how lines were taken, not problems
 
 
 @dataclass(frozen=True)
@@ -147,9 +150,16 @@ class Enqueuer:
             tokenizer=self.templater.name,
             template_hash=self.templater.template_hash,
             reasoning_open=self.templater.reasoning_open,
+            turns=plan.turns,
+            template_kwargs=self.templater.kwargs,
         )
         if plan.name in self.store.dataset_names():
             old = self.store.dataset(plan.name)
+            if old.turns != row.turns and self.store.prompt_counts(plan.name):
+                raise ConfigError(
+                    f"dataset {plan.name} was enqueued with --turns {old.turns}; this run "
+                    f"asks for --turns {row.turns}, whose prompts are other samples. Use a "
+                    f"new dataset name, or --turns {old.turns}.")
             if old.template_hash != row.template_hash and self.store.prompt_counts(plan.name):
                 raise ConfigError(
                     f"dataset {plan.name} was templated with tokenizer {old.tokenizer} "
@@ -167,6 +177,9 @@ class Enqueuer:
         in_redis = queued_in_redis(self.ledger.redis, plan.name)
         report = ReadReport(dataset=plan.name, files=[str(f) for f in plan.files])
         records = read_dataset(plan.name, plan.files, report)
+        tool_lines = [0]
+        if plan.turns == "all":
+            records = first_turns(records, report, tool_lines)
         chunks = iter(lambda: list(itertools.islice(records, CHUNK)), [])
         for chunk in chunks:
             # Rendered here, so the tokenizing thread only runs Rust (without the GIL) and
@@ -180,8 +193,23 @@ class Enqueuer:
             ))
             self._collect(PIPELINE_DEPTH, SENDING_DEPTH)
             yield True
+        if plan.turns == "all":
+            self._later_turns(plan, ds.stamp, summary, in_redis)
+        if tool_lines[0]:
+            summary.notes.append(TOOLS_NOTE.format(n=tool_lines[0]))
         summary.read, summary.bad, summary.duplicates = report.read, report.bad, report.duplicates
         summary.problems = list(report.problems)
+
+    def _later_turns(self, plan: DatasetPlan, stamp: str, summary: DatasetSummary,
+                     in_redis: set[str]) -> None:
+        """Publish again the later turns SQL holds as queued and Redis lost: workers made
+        them, and no prompt file lists them."""
+        lost = [s for s in queued_later_turns(self.store, plan.name) if s not in in_redis]
+        if lost:
+            none: Future[list[list[int]]] = Future()
+            none.set_result([])
+            self._written.append(self._writing.submit(
+                self._write, plan, stamp, summary, 0, [], none, lost))
 
     def _render(
         self, records: list[PromptRecord], report: ReadReport
@@ -233,7 +261,8 @@ class Enqueuer:
         fresh: list[PromptRecord], encoded: Future[list[list[int]]], lost: list[str],
     ) -> _Written:
         rows = self._prompt_rows(plan, fresh, encoded.result())
-        self.store.insert_prompts(rows)
+        self.store.insert_prompts(rows, [c for c in (conversation_row(plan.name, r)
+                                                     for r in fresh) if c is not None])
         if rows and not self._analyzed:
             # Workers start on the first chunk's messages: the planner's statistics must
             # not wait for the end of a load that takes minutes.
@@ -270,15 +299,10 @@ class Enqueuer:
     def _prompt_rows(
         self, plan: DatasetPlan, fresh: list[PromptRecord], ids: list[list[int]]
     ) -> list[NewPrompt]:
-        max_seq = self.limits.max_seq_len
         rows = []
         for record, input_ids in zip(fresh, ids, strict=True):
-            room = max_seq - len(input_ids)
-            state, error = "queued", None
-            if room <= 0:
-                state = "skipped"
-                error = f"prompt is {len(input_ids)} tokens; no room to generate within " \
-                        f"max_seq_len {max_seq}"
+            state, max_new_tokens, error = allowance(len(input_ids), plan.max_new_tokens,
+                                                     self.limits.max_seq_len)
             rows.append(NewPrompt(
                 dataset=plan.name,
                 sample_id=record.sample_id,
@@ -286,9 +310,10 @@ class Enqueuer:
                 messages=list(record.messages),
                 input_ids=input_ids,
                 prompt_tokens=len(input_ids),
-                max_new_tokens=max(0, min(plan.max_new_tokens, room)),
+                max_new_tokens=max_new_tokens,
                 source=record.source,
                 error=error,
                 tools=record.tools,
+                **turn_of(record),
             ))
         return rows

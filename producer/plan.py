@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from common.budget import Budget, parse_budget_tokens
+from common.conversation import TURN_MODES
 from common.errors import ConfigError
 from common.names import validate_dataset_name
 from common.sampling_rules import SAMPLING_KEYS, check_sampling
@@ -24,19 +25,22 @@ class DatasetPlan:
     budget: Budget = field(default_factory=Budget)
     sampling: dict[str, Any] = field(default_factory=lambda: dict(DEFAULT_SAMPLING))
     max_new_tokens: int = 16384
+    turns: str = "last"  # "all": every assistant turn regenerated (common/conversation.py)
 
 
 def plans_from_paths(
-    paths: list[str], budget: Budget, sampling: dict[str, Any], max_new_tokens: int
+    paths: list[str], budget: Budget, sampling: dict[str, Any], max_new_tokens: int,
+    turns: str = "last",
 ) -> list[DatasetPlan]:
     return [
-        DatasetPlan(name, tuple(files), budget, dict(sampling), max_new_tokens)
+        DatasetPlan(name, tuple(files), budget, dict(sampling), max_new_tokens, turns)
         for name, files in discover(paths).items()
     ]
 
 
 def plans_from_manifest(
-    path: str, budget: Budget, sampling: dict[str, Any], max_new_tokens: int
+    path: str, budget: Budget, sampling: dict[str, Any], max_new_tokens: int,
+    turns: str = "last",
 ) -> list[DatasetPlan]:
     """A TOML manifest: one ``[datasets.NAME]`` table per dataset.
 
@@ -46,6 +50,7 @@ def plans_from_manifest(
         policy = "drain"                 # drain | abort | exact
         basis = "output"                 # output | total
         max_new_tokens = 16384
+        turns = "all"                    # all | last
         temperature = 0.6                # also top_p, top_k, min_p
     """
     source = Path(path)
@@ -57,13 +62,14 @@ def plans_from_manifest(
     if not isinstance(tables, dict) or not tables:
         raise ConfigError(f"manifest {path}: no [datasets.NAME] tables")
     return [
-        _plan_from_table(source, name, spec, budget, sampling, max_new_tokens)
+        _plan_from_table(source, name, spec, budget, sampling, max_new_tokens, turns)
         for name, spec in tables.items()
     ]
 
 
 def _plan_from_table(
-    source: Path, name: str, spec: Any, budget: Budget, sampling: dict[str, Any], max_new: int
+    source: Path, name: str, spec: Any, budget: Budget, sampling: dict[str, Any], max_new: int,
+    turns: str,
 ) -> DatasetPlan:
     where = f"manifest {source} [datasets.{name}]"
     validate_dataset_name(name, source=where)
@@ -74,7 +80,7 @@ def _plan_from_table(
         if not f.is_file():
             raise ConfigError(f"{where}: file {f} does not exist")
     unknown = set(spec) - {"files", "budget_tokens", "policy", "basis", "max_new_tokens",
-                           *SAMPLING_KEYS}
+                           "turns", *SAMPLING_KEYS}
     if unknown:
         raise ConfigError(f"{where}: unknown keys {', '.join(sorted(unknown))}")
     try:
@@ -90,4 +96,8 @@ def _plan_from_table(
     max_new_tokens = spec.get("max_new_tokens", max_new)
     # Refused here, before anything is stored: SGLang would refuse every sample.
     check_sampling({**merged, "max_new_tokens": max_new_tokens}, name=lambda k: f"{where}: {k}")
-    return DatasetPlan(name, tuple(files), terms, merged, max_new_tokens)
+    mode = spec.get("turns", turns)
+    if mode not in TURN_MODES:
+        raise ConfigError(f"{where}: turns must be one of {', '.join(TURN_MODES)} "
+                          f"(got {mode!r})")
+    return DatasetPlan(name, tuple(files), terms, merged, max_new_tokens, mode)

@@ -56,6 +56,10 @@ class PromptRecord:
     messages: tuple[Message, ...]
     source: str  # "file:line"
     tools: list[dict[str, Any]] | None = None  # the line's function schemas, as read
+    # The first turn of a conversation regenerated turn by turn (producer/turns.py): the
+    # conversation's id, and its messages as read (``messages`` is turn 1's prompt).
+    conversation: str | None = None
+    original: tuple[Message, ...] | None = None
 
 
 @dataclass

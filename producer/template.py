@@ -222,6 +222,11 @@ class ChatTemplater:
                 return opener, closer
         return None, None
 
+    @property
+    def kwargs(self) -> dict[str, Any]:
+        """The chat template's kwargs (``--chat-template-kwargs``)."""
+        return dict(self._kwargs)
+
     def render(self, messages: Messages, tools: Tools = None) -> str:
         """The prompt text the target model sees for one conversation and its tools."""
         return self._render(messages, tools)

@@ -113,3 +113,15 @@ def remote_tokenizer(tmp_path_factory: pytest.TempPathFactory) -> Path:
     folder = tmp_path_factory.mktemp("tokenizers") / "datagen_remote_tokenizer"
     write(folder)
     return folder
+
+
+@pytest.fixture(scope="session")
+def code_sim(remote_tokenizer: Path) -> Iterator[str]:
+    """A simulator whose tokenizer is that Python-code one."""
+    from sim import SimConfig, SimServer
+
+    server = SimServer(SimConfig(port=0, decode_tok_per_s=0, mean_output_tokens=40,
+                                 max_running_requests=64, tokenizer=str(remote_tokenizer),
+                                 trust_remote_code=True))
+    yield server.start()
+    server.stop()

@@ -87,12 +87,12 @@ def running_worker(settings: Settings, concurrency: int = 16) -> Iterator[Celery
 
 def enqueue_paths(
     settings: Settings, paths: Sequence[str], budget: Budget | None = None,
-    max_new_tokens: int = 512, max_seq_len: int = 4096,
+    max_new_tokens: int = 512, max_seq_len: int = 4096, turns: str = "last",
 ) -> list[DatasetSummary]:
     store = Store(settings.database_url)
     ledger = Ledger(_redis(settings))
     plans = plans_from_paths(list(paths), budget or Budget(), {"temperature": 1.0},
-                             max_new_tokens)
+                             max_new_tokens, turns)
     templater = ChatTemplater(str(BUNDLED_TOKENIZER))
     enqueuer = Enqueuer(store, ledger, make_celery(settings), templater, Limits(max_seq_len))
     return enqueuer.run(plans)

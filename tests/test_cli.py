@@ -21,6 +21,7 @@ STATUS_KEYS = {
     "name", "state", "prompts", "done", "failed", "skipped", "queued", "used_tokens",
     "budget_tokens", "basis", "policy", "inflight", "closed_at", "overshoot_tokens",
     "tok_per_s", "eta_s", "retrying", "last_error", "last_error_count", "stop_error",
+    "conversations",
 }
 
 

@@ -9,10 +9,19 @@ import pytest
 import sqlalchemy as sa
 
 import common.migrations
+from common.conversation_store import conversation_counts
 from common.db import pooled_engine
 from common.errors import DatagenError
-from common.rows import NewPrompt, ResultRow
-from common.schema import datasets, meta, prompts, results, utcnow
+from common.rows import NewConversation, NewPrompt, ResultRow
+from common.schema import (
+    ADDED_DATASET_COLUMNS,
+    datasets,
+    meta,
+    prompt_inputs,
+    prompts,
+    results,
+    utcnow,
+)
 from common.store import Store
 from common.tokenids import TokenIds
 from ops.export_rows import _select
@@ -192,3 +201,43 @@ def test_a_v020_database_gets_the_tools_column_once_and_keeps_its_prompts(db_url
     assert rows == {"s0": None, "new": _TOOLS}
     assert nulls == 3  # SQL NULL, not JSON null, for a prompt without tools
     assert Store(db_url).prompt("old", "new") is not None  # a later process finds it current
+
+
+# datasets and prompt_inputs as 0.3 created them: no turn-by-turn columns, no
+# conversations table.
+_V030 = sa.MetaData()
+for _table, _added in ((datasets, ADDED_DATASET_COLUMNS), (prompt_inputs, ("conversation", "turn")),
+                       (prompts, ()), (results, ()), (meta, ())):
+    sa.Table(_table.name, _V030, *(
+        sa.Column(c.name, c.type, primary_key=c.primary_key, nullable=c.nullable,
+                  server_default=c.server_default)
+        for c in _table.columns if c.name not in _added))
+
+
+def test_a_v030_database_gets_the_turn_columns_and_conversations(db_url: str) -> None:
+    engine = pooled_engine(db_url)
+    _V030.create_all(engine)
+    now = utcnow()
+    with engine.begin() as conn:
+        conn.execute(_V030.tables["datasets"].insert(), [{
+            "name": "old", "budget_tokens": 100, "sampling": {}, "max_seq_len": 64,
+            "tokenizer": "t", "template_hash": "h", "stamp": "old@1", "created_at": now,
+            "updated_at": now}])
+    engine.dispose()
+    store = all_at_once(lambda: Store(db_url), 4)[0]  # processes starting at once
+    assert {"conversation", "turn"} <= _columns(store, "prompt_inputs")
+    assert set(ADDED_DATASET_COLUMNS) <= _columns(store, "datasets")
+    indexes = {i["name"] for i in sa.inspect(store.engine).get_indexes("prompt_inputs")}
+    assert "ix_prompt_inputs_conversation" in indexes
+    assert (store.dataset("old").turns, store.dataset("old").template_kwargs) == ("last", None)
+    messages = [{"role": "user", "content": "q"}]
+    store.insert_prompts(
+        [NewPrompt(dataset="old", sample_id="c#turn1", state="queued", prompt_tokens=2,
+                   max_new_tokens=10, source="/d/old.jsonl:1", messages=messages,
+                   input_ids=[4, 2], conversation="c", turn=1)],
+        [NewConversation(dataset="old", conversation="c", messages=messages, tools=None,
+                         turns=1, source="/d/old.jsonl:1")])
+    assert store.save_results([_result("c#turn1")]) == {("old", "c#turn1")}
+    counts = conversation_counts(store, "old", closed=False)
+    assert (counts.total, counts.complete) == (1, 1)
+    assert Store(db_url).dataset("old").turns == "last"  # a later process finds it current

@@ -6,7 +6,6 @@ tools on the exported SpecForge rows."""
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -54,17 +53,6 @@ BAD = {"id": "bad", "messages": [{"role": "user", "content": "q"},
 def _write(path: Path, lines: list[dict[str, Any]]) -> Path:
     path.write_text("".join(json.dumps(line) + "\n" for line in lines), encoding="utf-8")
     return path
-
-
-@pytest.fixture(scope="module")
-def code_sim(remote_tokenizer: Path) -> Iterator[str]:
-    from sim import SimConfig, SimServer
-
-    server = SimServer(SimConfig(port=0, decode_tok_per_s=0, mean_output_tokens=40,
-                                 max_running_requests=64, tokenizer=str(remote_tokenizer),
-                                 trust_remote_code=True))
-    yield server.start()
-    server.stop()
 
 
 @pytest.fixture

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 import time
@@ -11,8 +12,10 @@ from pathlib import Path
 import redis
 from celery import Celery
 
+from common.celery_app import make_celery
 from common.errors import ConfigError
 from common.ledger import ChargeResult, Ledger
+from common.publish import Publisher
 from common.routing import LoadRouter
 from common.rows import ResultRow
 from common.settings import Settings
@@ -23,6 +26,7 @@ from workers import steps
 from workers.grouping import LINGER_S, MAX_GROUP, GroupCall
 from workers.inflight import LiveRids
 from workers.results import ResultWriter
+from workers.turns import NextTurns
 
 log = logging.getLogger(__name__)
 DATASET_CACHE_S = 5.0
@@ -43,6 +47,7 @@ class WorkerContext:
     results: ResultWriter = field(init=False)
     admissions: GroupCall[steps.AdmitItem, steps.Admitted] = field(init=False)
     settlements: GroupCall[steps.SettleItem, steps.Settled] = field(init=False)
+    next_turns: NextTurns = field(init=False)
     live_rids: LiveRids = field(default_factory=LiveRids)
     _datasets: dict[str, tuple[float, DatasetRow]] = field(default_factory=dict)
     _decoders: dict[str, Decoder | None] = field(default_factory=dict)
@@ -51,6 +56,7 @@ class WorkerContext:
 
     def __post_init__(self) -> None:
         self.results = ResultWriter(self.store)
+        self.next_turns = NextTurns(self.store, self.settings.trust_remote_code)
         most = max(1, min(MAX_GROUP, self.settings.concurrency))
         # With every slot busy, a worker's tasks are split between the two steps (and
         # their requests): a leader waiting for more than half of them would wait for
@@ -61,7 +67,8 @@ class WorkerContext:
         self.admissions = GroupCall(lambda items: steps.admit_group(self.store, self.ledger, items),
                                     max_group=most, linger_s=LINGER_S, enough=enough)
         self.settlements = GroupCall(
-            lambda items: steps.settle_group(self.store, self.ledger, self.result_row, items),
+            lambda items: steps.settle_group(self.store, self.ledger, self.result_row, items,
+                                             self.next_turns.build),
             max_group=most, linger_s=LINGER_S, enough=enough)
 
     @classmethod
@@ -102,6 +109,12 @@ class WorkerContext:
             return row
         finally:
             reading.release()
+
+    @functools.cached_property
+    def publisher(self) -> Publisher:
+        """Publishes conversations' next turns: through the worker's app, or (a context
+        built without one) an app of its own."""
+        return Publisher(self.app if self.app is not None else make_celery(self.settings))
 
     def result_row(self, ds: DatasetRow, sample_id: str, c: Completion,
                    charge: ChargeResult) -> ResultRow:

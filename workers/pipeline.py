@@ -22,12 +22,13 @@ from common.errors import TransientError, UnstorableResult
 from common.ledger import Admission, Charge
 from common.reconcile import reconcile_dataset
 from common.rids import new_rid
-from common.rows import ResultRow
+from common.rows import NewPrompt, ResultRow
 from common.sglang_client import Completion
 from common.store import DatasetRow, PromptRow
 from workers.context import WorkerContext
 from workers.inflight import give_back
 from workers.steps import DEFAULT_EXPECTED_TOKENS
+from workers.turns import publish_next, publish_stored_next
 
 log = logging.getLogger(__name__)
 OUTAGE_WINDOW_S = 600.0
@@ -97,12 +98,12 @@ def _generate(ctx: WorkerContext, prompt: PromptRow, server: str, rid: str,
 def keep(ctx: WorkerContext, ds: DatasetRow, sample_id: str, completion: Completion) -> Outcome:
     """Charge the sample, then store what the charge allows."""
     settled = ctx.settlements((ds, sample_id, completion))
-    charge, row = settled.charge, settled.row
+    charge, row, then = settled.charge, settled.row, settled.then
     if charge.status is Charge.REFUSED:
         return Outcome.DISCARDED
     if row is not None and isinstance(settled.error, UNAVAILABLE):
         # Charged, but the database was away: store this row alone once it is back.
-        inserted = _save_alone(ctx, row)
+        inserted, then = _save_alone(ctx, ds, row, then)
     elif settled.error is not None:
         raise unstorable(settled.error) from settled.error
     else:
@@ -111,6 +112,8 @@ def keep(ctx: WorkerContext, ds: DatasetRow, sample_id: str, completion: Complet
         # Charged before a crash that lost the store: price the result now kept.
         cost = ds.budget.cost(row.prompt_tokens, row.completion_tokens)
         ctx.ledger.recharge(ds.name, sample_id, cost, ctx.store.store_id)
+    if inserted and then is not None and then.state == "queued":
+        publish_next(ctx.publisher, ctx.ledger, ds, then.sample_id)
     if charge.crossed:
         log.info("dataset %s crossed its budget at %d tokens; purged %d queued",
                  ds.name, charge.used_tokens, charge.purged)
@@ -123,9 +126,16 @@ def keep(ctx: WorkerContext, ds: DatasetRow, sample_id: str, completion: Complet
     return Outcome.DONE if inserted else Outcome.DUPLICATE
 
 
-def _save_alone(ctx: WorkerContext, row: ResultRow) -> bool:
+def _save_alone(ctx: WorkerContext, ds: DatasetRow, row: ResultRow,
+                then: NewPrompt | None) -> tuple[bool, NewPrompt | None]:
+    """Store a row alone, with its next turn (built now if the database was away when its
+    group built them)."""
+    def save() -> tuple[bool, NewPrompt | None]:
+        follow = then or ctx.next_turns.build([(ds, row)]).get(row.key)
+        return ctx.results.save(row, follow), follow
+
     try:
-        return wait_out_outage(lambda: ctx.results.save(row))
+        return wait_out_outage(save)
     except UNAVAILABLE:
         raise
     except Exception as exc:
@@ -148,6 +158,8 @@ def _settle_finished(ctx: WorkerContext, dataset: str, prompt: PromptRow) -> Out
     if prompt.state == "done":
         ds = ctx.dataset(dataset)
         ctx.ledger.absorb(dataset, ctx.store.result_costs(dataset, ds.budget, [prompt.sample_id]))
+        if ds.turns == "all":
+            publish_stored_next(ctx.store, ctx.publisher, ctx.ledger, ds, prompt.sample_id)
         return Outcome.ALREADY_DONE
     return Outcome.FINISHED
 

@@ -7,8 +7,10 @@ while every task still returns, and is acked, only after its own row is durable.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 from common.db import UNAVAILABLE
-from common.rows import ResultRow
+from common.rows import NewPrompt, ResultRow
 from common.store import Store
 from workers.grouping import LINGER_S, MAX_GROUP, GroupCall, Outcomes
 
@@ -23,8 +25,10 @@ class ResultWriter:
     def __init__(self, store: Store, max_group: int = MAX_GROUP,
                  linger_s: float = LINGER_S) -> None:
         self.store = store
-        self._group: GroupCall[ResultRow, bool] = GroupCall(
-            lambda rows: commit_rows(store, rows), max_group=max_group, linger_s=linger_s)
+        self._group: GroupCall[tuple[ResultRow, NewPrompt | None], bool] = GroupCall(
+            lambda items: commit_rows(store, [row for row, _ in items],
+                                      {row.key: then for row, then in items if then}),
+            max_group=max_group, linger_s=linger_s)
 
     @property
     def commits(self) -> int:
@@ -34,15 +38,20 @@ class ResultWriter:
     def rows(self) -> int:
         return self._group.items
 
-    def save(self, row: ResultRow) -> bool:
-        """Store the result and mark its prompt done; False if it was stored before."""
-        return self._group(row)
+    def save(self, row: ResultRow, then: NewPrompt | None = None) -> bool:
+        """Store the result and mark its prompt done (and store ``then``, the prompt it
+        makes possible, with it); False if it was stored before."""
+        return self._group((row, then))
 
 
-def commit_rows(store: Store, rows: list[ResultRow]) -> Outcomes[bool]:
+def commit_rows(store: Store, rows: list[ResultRow],
+                then: Mapping[tuple[str, str], NewPrompt] | None = None) -> Outcomes[bool]:
     """Store rows in one transaction: for each, whether it was new, or its own error.
+    ``then``: by a row's key, the prompt its result makes possible (a conversation's next
+    turn), stored in the same transaction.
 
     A database that does not answer raises for all: every row's task waits it out."""
+    follow = then or {}
     if not rows:
         return []
     # Two deliveries of one sample in one group: only the first row is offered, so the
@@ -51,19 +60,23 @@ def commit_rows(store: Store, rows: list[ResultRow]) -> Outcomes[bool]:
     for i, row in enumerate(rows):
         first.setdefault(row.key, i)
     try:
-        inserted = store.save_results([rows[i] for i in first.values()])
+        offered = [rows[i] for i in first.values()]
+        then_rows = [follow[r.key] for r in offered if r.key in follow]
+        inserted = (store.save_results(offered, then_rows) if then_rows
+                    else store.save_results(offered))
     except UNAVAILABLE:
         raise
     except Exception as exc:
         if len(rows) == 1:
             return [exc]
         # One bad row must not fail the others: store them one by one.
-        return [_commit_alone(store, row) for row in rows]
+        return [_commit_alone(store, row, follow) for row in rows]
     return [first[row.key] == i and row.key in inserted for i, row in enumerate(rows)]
 
 
-def _commit_alone(store: Store, row: ResultRow) -> bool | BaseException:
+def _commit_alone(store: Store, row: ResultRow,
+                  then: Mapping[tuple[str, str], NewPrompt]) -> bool | BaseException:
     try:
-        return commit_rows(store, [row])[0]
+        return commit_rows(store, [row], then)[0]
     except Exception as exc:
         return exc

@@ -11,16 +11,18 @@ thread hand-offs each blocking call costs a process of many threads.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from common.db import UNAVAILABLE
 from common.ledger import Admission, AdmitArgs, Charge, ChargeArgs, ChargeResult, Ledger
-from common.rows import ResultRow
+from common.rows import NewPrompt, ResultRow
 from common.sglang_client import Completion
 from common.store import DatasetRow, PromptRow, Store
 from workers.results import commit_rows
 
+log = logging.getLogger(__name__)
 # Expected output of one request before a dataset has any result (admission estimate).
 DEFAULT_EXPECTED_TOKENS = 2048
 
@@ -30,6 +32,9 @@ SettleItem = tuple[DatasetRow, str, Completion]  # dataset, sample_id, its compl
 Decoder = Callable[[Sequence[int]], str]
 # Builds a sample's row from its charge (the worker's ``WorkerContext.result_row``).
 RowBuilder = Callable[[DatasetRow, str, Completion, ChargeResult], ResultRow]
+# The prompts kept rows make possible, by row key (workers/turns.py ``NextTurns.build``).
+FollowBuilder = Callable[[list[tuple[DatasetRow, ResultRow]]],
+                         dict[tuple[str, str], NewPrompt]]
 
 
 @dataclass(frozen=True)
@@ -40,6 +45,7 @@ class Settled:
     row: ResultRow | None  # None: the charge refused the sample, nothing to store
     inserted: bool = False
     error: BaseException | None = None  # the store's error; the charge stands
+    then: NewPrompt | None = None  # the prompt stored with the row: the next turn, if any
 
 
 def admit_group(store: Store, ledger: Ledger, items: list[AdmitItem]) -> list[Admitted]:
@@ -59,8 +65,10 @@ def admit_group(store: Store, ledger: Ledger, items: list[AdmitItem]) -> list[Ad
 
 
 def settle_group(store: Store, ledger: Ledger, build_row: RowBuilder,
-                 items: list[SettleItem]) -> list[Settled]:
-    """Charge every sample, then store in one commit what each charge allows."""
+                 items: list[SettleItem], follow: FollowBuilder | None = None,
+                 ) -> list[Settled]:
+    """Charge every sample, then store in one commit what each charge allows, with the
+    prompts the kept rows make possible (``follow``: a conversation's next turns)."""
     # Charged only while this Redis is still paired with this worker's database: a
     # request sent before another run took it must not count in that run's budget.
     charges = ledger.charge_many([
@@ -74,19 +82,39 @@ def settle_group(store: Store, ledger: Ledger, build_row: RowBuilder,
                 rows[i] = build_row(ds, sample_id, c, charge)
             except Exception as exc:  # this sample's own fault: the others are stored
                 failed[i] = exc
+    then: dict[tuple[str, str], NewPrompt] = {}
     try:
-        stored = dict(zip(rows, commit_rows(store, list(rows.values())), strict=True))
+        then = _follows(follow, [(items[i][0], row) for i, row in rows.items()])
+        stored = dict(zip(rows, commit_rows(store, list(rows.values()), then), strict=True))
     except UNAVAILABLE as exc:
         stored = dict.fromkeys(rows, exc)  # each task waits the database out for its row
     settled = []
     for i, charge in enumerate(charges):
         outcome = stored.get(i, failed.get(i))
         row = rows.get(i)
+        follows = then.get(row.key) if row is not None else None
         if isinstance(outcome, BaseException):
-            settled.append(Settled(charge, row, error=outcome))
+            settled.append(Settled(charge, row, error=outcome, then=follows))
         else:
-            settled.append(Settled(charge, row, inserted=bool(outcome)))
+            settled.append(Settled(charge, row, inserted=bool(outcome), then=follows))
     return settled
+
+
+def _follows(follow: FollowBuilder | None, kept: list[tuple[DatasetRow, ResultRow]]
+             ) -> dict[tuple[str, str], NewPrompt]:
+    """The prompts the kept rows make possible. A failure to build them other than the
+    database being away (which every task waits out, building its own again) must not
+    cost the group its results, charged already: they are stored without, and logged."""
+    if follow is None or not kept:
+        return {}
+    try:
+        return follow(kept)
+    except UNAVAILABLE:
+        raise
+    except Exception:
+        log.exception("next turns of %d stored rows not built; their conversations end "
+                      "there", len(kept))
+        return {}
 
 
 def result_row(ds: DatasetRow, sample_id: str, c: Completion, charge: ChargeResult, *,

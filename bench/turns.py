@@ -1,0 +1,165 @@
+"""Conversations regenerated turn by turn (``--turns all``) beside single-turn samples.
+
+Three figures, printed side by side:
+
+* the producer's rate (lines/s) on a set of 10-turn conversations, ``--turns last``
+  against ``--turns all`` (which renders only each conversation's first turn);
+* worker CPU per request: N single-turn samples against N turns of 10-turn
+  conversations (the worker renders and tokenizes each next turn in its store step);
+* the time from turn i stored (``results.created_at``) to turn i+1's request at the
+  server (the simulator's ``arrived_ts``), p50 and p99: with fewer conversations than
+  worker slots, so it measures the path (store, publish, consume, admit, send) and not a
+  queue; on a deep queue a next turn also waits behind every message ahead of it.
+
+    python -m bench.turns [--quick] [--dbs sqlite,postgresql]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+import sqlalchemy as sa
+
+from bench.harness import (
+    WORKDIR,
+    Processes,
+    bench_settings,
+    clean_workdir,
+    cpu_seconds,
+    fresh_db,
+    fresh_redis,
+    sim_requests,
+    start_sim,
+    start_worker,
+    wait_until,
+)
+from bench.synth import templater, write_dataset
+from common.budget import Budget
+from common.celery_app import make_celery
+from common.ledger import Ledger
+from common.schema import prompt_inputs, results
+from common.settings import Settings
+from common.store import Store, as_utc
+from producer.enqueue import Enqueuer, Limits
+from producer.plan import DEFAULT_SAMPLING, plans_from_paths
+from sim.reqlog import input_sha1
+
+TURNS = 10
+
+
+def _enqueue(settings: Settings, path: Path, turns: str) -> float:
+    """Enqueue one file; returns lines per second."""
+    import redis
+
+    plans = plans_from_paths([str(path)], Budget(), dict(DEFAULT_SAMPLING), 256, turns)
+    store, app = Store(settings.database_url), make_celery(settings)
+    ledger = Ledger(redis.Redis.from_url(settings.redis_url))
+    started = time.perf_counter()
+    [summary] = Enqueuer(store, ledger, app, templater(), Limits(32768)).run(plans)
+    elapsed = time.perf_counter() - started
+    store.engine.dispose()
+    app.close()
+    return summary.read / elapsed
+
+
+def producer_rates(kind: str, lines: int) -> dict[str, float]:
+    folder = WORKDIR / "tmp" / "producer"
+    rates = {}
+    for turns in ("last", "all"):
+        fresh_redis()
+        settings = bench_settings(fresh_db(kind, "turns"), "http://127.0.0.1:1")
+        path = write_dataset(folder, f"ten_{turns}", lines, 400, TURNS)
+        templater()  # loaded before the clock starts, as a producer run loads it once
+        rates[turns] = _enqueue(settings, path, turns)
+    return rates
+
+
+def _worker_leg(kind: str, name: str, conversations: int, turns: int, mode: str,
+                concurrency: int) -> dict[str, Any]:
+    """Run one set through one worker process; CPU per request and the turn gaps."""
+    fresh_redis()
+    with Processes() as procs:
+        # Requests of about 0.3 s: the worker is not saturated, so the gap is the path.
+        sim_url, _ = start_sim(procs, slots=256, decode=200, mean_output=60)
+        settings = bench_settings(fresh_db(kind, "turns"), sim_url, concurrency)
+        folder = WORKDIR / "tmp" / name
+        path = write_dataset(folder, name, conversations, 200, turns)
+        _enqueue(settings, path, mode)
+        store = Store(settings.database_url)
+        worker = start_worker(procs, settings, concurrency, tag=name)
+        # The worker's start-up (imports, tokenizer) is left out: CPU counts from its
+        # first result on.
+        wait_until(lambda: store.prompt_counts(name).get("done", 0) > 0, 120, 0.05)
+        started = cpu_seconds(worker.pid)
+        first = store.prompt_counts(name).get("done", 0)
+        # Until no turn is left queued: a conversation ends early on a turn without an
+        # answer, so the number of turns is not known ahead.
+        wait_until(lambda: not store.prompt_counts(name).get("queued", 0), 600)
+        cpu = cpu_seconds(worker.pid) - started
+        done = store.prompt_counts(name).get("done", 0)
+        gaps = _turn_gaps(store, name, sim_requests(sim_url)) if mode == "all" else []
+        procs.stop(worker)
+    return {"requests": done - first, "cpu_ms": 1000 * cpu / max(1, done - first),
+            "gaps": gaps}
+
+
+def _turn_gaps(store: Store, dataset: str, log: list[dict[str, Any]]) -> list[float]:
+    """Seconds from each turn's result stored to its successor's request arriving."""
+    arrived = {r["input_sha1"]: r["arrived_ts"] for r in log if r.get("input_sha1")}
+    q = (sa.select(prompt_inputs.c.conversation, prompt_inputs.c.turn,
+                   prompt_inputs.c.input_ids, results.c.created_at)
+         .join(results, sa.and_(results.c.dataset == prompt_inputs.c.dataset,
+                                results.c.sample_id == prompt_inputs.c.sample_id))
+         .where(prompt_inputs.c.dataset == dataset))
+    with store.engine.connect() as conn:
+        rows = {(r.conversation, r.turn): r for r in conn.execute(q)}
+    gaps = []
+    for (conversation, turn), row in rows.items():
+        following = rows.get((conversation, turn + 1))
+        if following is None:
+            continue
+        sent = arrived.get(input_sha1(list(following.input_ids)))
+        stored = as_utc(row.created_at)
+        if sent is not None and stored is not None:
+            gaps.append(sent - stored.timestamp())
+    return gaps
+
+
+def _pct(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))] if ordered else float("nan")
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m bench.turns", description=__doc__)
+    p.add_argument("--quick", action="store_true", help="smaller sets")
+    p.add_argument("--dbs", default="sqlite")
+    args = p.parse_args(argv)
+    clean_workdir()
+    lines = 2000 if args.quick else 10000
+    conversations = 24 if args.quick else 48
+    for kind in args.dbs.split(","):
+        rates = producer_rates(kind, lines)
+        print(f"[{kind}] producer, {lines:,} lines of {TURNS}-turn conversations: "
+              f"--turns last {rates['last']:,.0f} lines/s, --turns all {rates['all']:,.0f} "
+              f"lines/s (ratio {rates['all'] / rates['last']:.2f})")
+        n = conversations * TURNS
+        single = _worker_leg(kind, "single", n, 1, "last", 64)
+        multi = _worker_leg(kind, "multi", conversations, TURNS, "all", 64)
+        print(f"[{kind}] worker CPU per request: single-turn {single['cpu_ms']:.2f} ms "
+              f"({single['requests']} requests), turn of a {TURNS}-turn conversation "
+              f"{multi['cpu_ms']:.2f} ms ({multi['requests']} requests); ratio "
+              f"{multi['cpu_ms'] / single['cpu_ms']:.2f}")
+        gaps = multi["gaps"]
+        print(f"[{kind}] turn i stored -> turn i+1 at the server ({len(gaps)} turns, "
+              f"{conversations} conversations, 64 slots): p50 "
+              f"{1000 * statistics.median(gaps):.1f} ms, p99 {1000 * _pct(gaps, 0.99):.1f} ms")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

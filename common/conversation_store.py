@@ -1,0 +1,130 @@
+"""What SQL knows of conversations regenerated turn by turn: a stored turn's context for
+building the next, the turns waiting, and how many conversations are complete or partial.
+
+A conversation's state is read from its turns, never stored apart, so it cannot drift:
+
+  complete     every turn has a result;
+  in progress  not complete, a turn queued and its dataset open;
+  partial      some turns stored, no turn left to run (its dataset closed, or a turn
+               failed or had no room under max_seq_len);
+  not started  no turn stored and none left to run.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import sqlalchemy as sa
+
+from common.schema import conversations, prompt_inputs, prompts, results
+from common.store import Store, _by_keys, _key_params
+
+
+@dataclass(frozen=True)
+class TurnContext:
+    """A stored turn of a conversation, with what building its successor needs."""
+
+    dataset: str
+    sample_id: str
+    conversation: str
+    turn: int
+    turns: int  # the conversation's turns in all
+    prompt: list[dict[str, Any]]  # this turn's prompt messages (own earlier answers)
+    tools: list[dict[str, Any]] | None
+    original: list[dict[str, Any]]  # the conversation as read
+    source: str | None
+
+
+@dataclass(frozen=True)
+class ConversationCounts:
+    total: int = 0
+    complete: int = 0
+    in_progress: int = 0
+    partial: int = 0
+    not_started: int = 0
+
+
+def turn_contexts(store: Store, keys: Sequence[tuple[str, str]]
+                  ) -> dict[tuple[str, str], TurnContext]:
+    """The turns among (dataset, sample_id) keys, by key; a prompt of its own is absent."""
+    if not keys:
+        return {}
+    unique = list(dict.fromkeys(keys))
+    q = sa.select(
+        prompt_inputs.c.dataset, prompt_inputs.c.sample_id, prompt_inputs.c.conversation,
+        prompt_inputs.c.turn, conversations.c.turns, prompt_inputs.c.messages,
+        prompt_inputs.c.tools, conversations.c.messages.label("original"),
+        conversations.c.source,
+    ).join(conversations, sa.and_(conversations.c.dataset == prompt_inputs.c.dataset,
+                                  conversations.c.conversation == prompt_inputs.c.conversation)
+           ).where(_by_keys(prompt_inputs, len(unique)))
+    with store.engine.connect() as conn:
+        return {(r.dataset, r.sample_id): TurnContext(*r)
+                for r in conn.execute(q, _key_params(unique))}
+
+
+def turn_state(store: Store, dataset: str, conversation: str, turn: int) -> str | None:
+    """The state of a conversation's turn, None if it has no prompt yet."""
+    q = sa.select(prompts.c.state).join(
+        prompt_inputs, sa.and_(prompt_inputs.c.dataset == prompts.c.dataset,
+                               prompt_inputs.c.sample_id == prompts.c.sample_id),
+    ).where(prompt_inputs.c.dataset == dataset, prompt_inputs.c.conversation == conversation,
+            prompt_inputs.c.turn == turn)
+    with store.engine.connect() as conn:
+        state = conn.scalar(q)
+    return None if state is None else str(state)
+
+
+def queued_later_turns(store: Store, dataset: str) -> list[str]:
+    """Sample ids of the dataset's queued turns after the first: no prompt file lists them."""
+    q = sa.select(prompts.c.sample_id).join(
+        prompt_inputs, sa.and_(prompt_inputs.c.dataset == prompts.c.dataset,
+                               prompt_inputs.c.sample_id == prompts.c.sample_id),
+    ).where(prompts.c.dataset == dataset, prompts.c.state == "queued",
+            prompt_inputs.c.turn > 1)
+    with store.engine.connect() as conn:
+        return list(conn.scalars(q))
+
+
+def conversation_counts(store: Store, dataset: str, closed: bool) -> ConversationCounts:
+    """How many of the dataset's conversations are in each state (module docstring)."""
+    per = sa.select(
+        conversations.c.turns,
+        sa.func.count(results.c.id).label("stored"),
+        sa.func.sum(sa.case((prompts.c.state == "queued", 1), else_=0)).label("pending"),
+    ).select_from(
+        conversations.join(prompt_inputs, sa.and_(
+            prompt_inputs.c.dataset == conversations.c.dataset,
+            prompt_inputs.c.conversation == conversations.c.conversation),
+        ).join(prompts, sa.and_(prompts.c.dataset == prompt_inputs.c.dataset,
+                                prompts.c.sample_id == prompt_inputs.c.sample_id),
+        ).outerjoin(results, sa.and_(results.c.dataset == prompt_inputs.c.dataset,
+                                     results.c.sample_id == prompt_inputs.c.sample_id))
+    ).where(conversations.c.dataset == dataset).group_by(
+        conversations.c.conversation, conversations.c.turns).subquery()
+    complete = per.c.stored >= per.c.turns
+    running = sa.false() if closed else sa.and_(sa.not_(complete), per.c.pending > 0)
+
+    def count(condition: sa.ColumnElement[bool]) -> sa.ColumnElement[int]:
+        return sa.func.coalesce(sa.func.sum(sa.case((condition, 1), else_=0)), 0)
+
+    q = sa.select(
+        sa.func.count(), count(complete), count(running),
+        count(sa.and_(sa.not_(complete), sa.not_(running), per.c.stored > 0)),
+    ).select_from(per)
+    with store.engine.connect() as conn:
+        total, done, going, partial = (int(n) for n in conn.execute(q).one())
+    return ConversationCounts(total, done, going, partial, total - done - going - partial)
+
+
+def latest_turns(store: Store, dataset: str, upto_id: int) -> dict[str, int]:
+    """Each conversation's last turn with a result, among results up to ``upto_id``."""
+    q = sa.select(prompt_inputs.c.conversation, sa.func.max(prompt_inputs.c.turn)).join(
+        results, sa.and_(results.c.dataset == prompt_inputs.c.dataset,
+                         results.c.sample_id == prompt_inputs.c.sample_id),
+    ).where(results.c.dataset == dataset, results.c.id <= upto_id,
+            prompt_inputs.c.conversation.is_not(None)).group_by(prompt_inputs.c.conversation)
+    with store.engine.connect() as conn:
+        return {conversation: int(turn) for conversation, turn in conn.execute(q)}

@@ -1,0 +1,423 @@
+"""Every assistant turn regenerated on-policy (``--turns all``), end to end on SQLite and
+PostgreSQL: real workers, the simulator over HTTP, the project's test tokenizers. The ids
+sent for turn i are the template's rendering of the conversation with the model's own
+stored answers to turns < i, built here independently; no line's own answer reaches any
+prompt; a budget that closes mid-conversation starts no later turn; a worker killed
+mid-run leaves every conversation complete, no turn stored twice."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import redis
+import requests
+import sqlalchemy as sa
+
+from common.audit import queued_in_redis, requeue_lost
+from common.budget import Budget
+from common.celery_app import make_celery
+from common.conversation import first_turn, next_turn, turn_count, turn_starts
+from common.conversation_store import conversation_counts, queued_later_turns
+from common.errors import ConfigError
+from common.keys import dataset_keys
+from common.ledger import Ledger
+from common.publish import Publisher
+from common.schema import prompt_inputs, results
+from common.settings import Settings
+from common.store import Store
+from common.tokenizer_files import load_tokenizer
+from ops.cli import main
+from producer.plan import plans_from_manifest
+from producer.template import BUNDLED_TOKENIZER
+from producer.turns import TOOLS_NOTE
+from sim.reqlog import input_sha1
+from tests.conftest import make_settings
+from tests.faultkit import wait_for
+from tests.helpers import assert_invariants, enqueue_paths, running_worker, wait_settled
+from workers.context import WorkerContext
+from workers.pipeline import Outcome, run_sample
+
+ORIGINAL = "ORIGINAL-ANSWER"
+
+
+def _conversation(i: int, turns: int) -> dict[str, Any]:
+    messages: list[dict[str, Any]] = [{"role": "system", "content": f"Helper {i}."}]
+    for t in range(1, turns + 1):
+        messages.append({"role": "user", "content": f"Question {t} of chat {i}?"})
+        messages.append({"role": "assistant", "content": f"{ORIGINAL} {i}.{t}",
+                         "reasoning_content": f"{ORIGINAL} thought {i}.{t}"})
+    if i % 2:
+        messages.pop()  # ends on a user turn: its last answer is still to generate
+    return {"id": f"c{i}", "messages": messages}
+
+
+LINES = [_conversation(i, 1 + i % 3) for i in range(8)]
+
+
+def _write(path: Path, lines: list[dict[str, Any]]) -> Path:
+    path.write_text("".join(json.dumps(line) + "\n" for line in lines), encoding="utf-8")
+    return path
+
+
+# -- the shapes, without services ---------------------------------------------------------
+
+def test_turns_of_a_conversation_and_the_next_turns_prompt() -> None:
+    original = [
+        {"role": "system", "content": "s"},
+        {"role": "user", "content": "u1"},
+        {"role": "assistant", "content": "a1"},
+        {"role": "assistant", "content": "a1 more"},  # one answer in two messages
+        {"role": "user", "content": "u2"},
+        {"role": "assistant", "content": "a2"},
+        {"role": "user", "content": "u3"},
+    ]
+    assert turn_starts(original) == [2, 5, 7]
+    assert turn_count(original) == 3
+    assert first_turn(original) == original[:2]
+    own = {"role": "assistant", "content": "mine"}
+    second = next_turn(original, first_turn(original), 1, own)
+    assert second == [*original[:2], own, original[4]]
+    own2 = {"role": "assistant", "content": "mine 2"}
+    assert next_turn(original, second, 2, own2) == [*second, own2, original[6]]
+    # An assistant message before any user message is part of the prompt, not a turn.
+    assert turn_starts([{"role": "assistant", "content": "hi"},
+                        {"role": "user", "content": "u"}]) == [2]
+
+
+# -- end to end ----------------------------------------------------------------------------
+
+def _turns(line: dict[str, Any]) -> int:
+    return len(line["messages"]) // 2  # a system message, then a user message a turn
+
+
+def _answer(output: str) -> str:
+    _, found, content = output.partition("</think>")
+    return content.strip() if found else ""
+
+
+def _thought(output: str) -> str:
+    return output.partition("</think>")[0].strip()
+
+
+def _reference_ids(hf: Any, line: dict[str, Any], answers: list[str], turn: int) -> list[int]:
+    """Turn ``turn``'s ids built here: the line's messages up to that user turn, each
+    earlier answer replaced by the stored own answer, reasoning split at ``</think>``."""
+    messages: list[dict[str, Any]] = []
+    seen = 0
+    previous = None
+    for message in line["messages"]:
+        if message["role"] == "assistant":
+            if previous == "assistant":
+                continue
+            seen += 1
+            if seen == turn:
+                break
+            own = {"role": "assistant", "content": _answer(answers[seen - 1]),
+                   "reasoning_content": _thought(answers[seen - 1])}
+            messages.append(own)
+        else:
+            messages.append(message)
+        previous = message["role"]
+    ids = hf.apply_chat_template(messages, tokenize=True, add_generation_prompt=True,
+                                 return_dict=False)
+    return list(ids)
+
+
+def _turn_rows(store: Store, dataset: str) -> dict[str, list[Any]]:
+    q = (sa.select(prompt_inputs.c.conversation, prompt_inputs.c.turn, prompt_inputs.c.messages,
+                   prompt_inputs.c.input_ids, results.c.output_text)
+         .join(results, sa.and_(results.c.dataset == prompt_inputs.c.dataset,
+                                results.c.sample_id == prompt_inputs.c.sample_id), isouter=True)
+         .where(prompt_inputs.c.dataset == dataset)
+         .order_by(prompt_inputs.c.conversation, prompt_inputs.c.turn))
+    by: dict[str, list[Any]] = {}
+    with store.engine.connect() as conn:
+        for row in conn.execute(q):
+            by.setdefault(row.conversation, []).append(row)
+    return by
+
+
+def _check_round_trip(store: Store, sim_url: str, hf: Any, dataset: str,
+                      lines: list[dict[str, Any]]) -> None:
+    sent = {r["input_sha1"] for r in requests.get(f"{sim_url}/sim/requests", timeout=5).json()}
+    by = _turn_rows(store, dataset)
+    assert set(by) == {line["id"] for line in lines}
+    for line in lines:
+        rows = by[line["id"]]
+        assert [r.turn for r in rows] == list(range(1, 1 + len(rows)))
+        answers = [r.output_text for r in rows]
+        assert all(a is not None for a in answers), line["id"]
+        if len(rows) < _turns(line):  # it ended early, on a turn without an answer
+            assert not _answer(answers[-1]), line["id"]
+        for r in rows:
+            ids = _reference_ids(hf, line, answers, r.turn)
+            assert r.input_ids == ids, (line["id"], r.turn)
+            assert input_sha1(r.input_ids) in sent  # what the model was sent
+            # No line's own answer reaches a prompt: neither its messages nor its ids.
+            assert ORIGINAL not in json.dumps(r.messages)
+            assert ORIGINAL not in hf.decode(r.input_ids)
+
+
+def test_every_turn_is_regenerated_after_the_models_own_answers(
+    settings: Settings, store: Store, ledger: Ledger, tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    path = _write(tmp_path / "talk.jsonl", LINES)
+    [summary] = enqueue_paths(settings, [str(path)], max_new_tokens=400, turns="all")
+    assert (summary.read, summary.bad, summary.enqueued) == (len(LINES), 0, len(LINES))
+    assert store.dataset("talk").turns == "all"
+    with running_worker(settings, concurrency=4):
+        wait_settled(store, ["talk"], client=ledger.redis)
+    assert_invariants(store, ledger, ["talk"])
+    hf = load_tokenizer(str(BUNDLED_TOKENIZER))
+    _check_round_trip(store, settings.sglang_urls[0], hf, "talk", LINES)
+    by = _turn_rows(store, "talk")
+    assert store.prompt_counts("talk") == {"done": sum(len(rows) for rows in by.values())}
+    complete = sum(len(by[line["id"]]) == _turns(line) for line in LINES)
+    assert complete > len(LINES) // 2  # most answers are whole at this cap
+    counts = conversation_counts(store, "talk", closed=False)
+    assert (counts.total, counts.complete, counts.partial) == (
+        len(LINES), complete, len(LINES) - complete)
+
+    # A re-run enqueues nothing: every turn is stored, nothing generated again.
+    [again] = enqueue_paths(settings, [str(path)], max_new_tokens=400, turns="all")
+    assert (again.enqueued, again.already_done) == (0, len(LINES))
+
+    for key, value in settings.to_env().items():
+        monkeypatch.setenv(key, value)
+    _check_specforge(store, tmp_path / "export", "talk", LINES)
+
+
+def _check_specforge(store: Store, out: Path, dataset: str, lines: list[dict[str, Any]]
+                     ) -> None:
+    """One SpecForge row per conversation, every answer in it the model's own, split into
+    content and reasoning_content; validate agrees with SQL."""
+    assert main(["export", "--format", "specforge", "--out", str(out)]) == 0
+    rows = [json.loads(x) for x in
+            (out / f"{dataset}.specforge.jsonl").read_text().splitlines()]
+    by = _turn_rows(store, dataset)
+    # A conversation that ended on a turn without an answer has no row SpecForge takes.
+    assert len(rows) == sum(bool(_answer(by[line["id"]][-1].output_text)) for line in lines)
+    for row in rows:
+        conversation, _, last = row["id"].partition("#turn")
+        turns = by[conversation]
+        assert int(last) == len(turns)
+        answers = [m for m in row["conversations"] if m["role"] == "assistant"]
+        assert len(answers) == len(turns)
+        for message, turn in zip(answers, turns, strict=True):
+            assert (message["content"], message["reasoning_content"]) == (
+                _answer(turn.output_text), _thought(turn.output_text))
+        assert ORIGINAL not in json.dumps(row)
+    assert main(["validate", str(out)]) == 0
+
+
+def test_a_budget_closing_mid_conversation_starts_no_later_turn(
+    settings: Settings, store: Store, ledger: Ledger, tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str],
+) -> None:
+    lines = [_conversation(2 * i, 3) for i in range(6)]  # 3 answers each, 18 turns
+    path = _write(tmp_path / "short.jsonl", lines)
+    enqueue_paths(settings, [str(path)], budget=Budget(300), max_new_tokens=48, turns="all")
+    # One task at a time: each request starts after the one before it is stored, so once
+    # the crossing turn is stored no request can have been admitted before the close.
+    with running_worker(settings, concurrency=1):
+        wait_settled(store, ["short"], client=ledger.redis)
+    ds = store.dataset("short")
+    assert ds.state == "closed" and ds.closed_at is not None
+    log = requests.get(f"{settings.sglang_urls[0]}/sim/requests", timeout=5).json()
+    assert log and max(r["arrived_ts"] for r in log) <= ds.closed_at.timestamp()
+    assert_invariants(store, ledger, ["short"])
+
+    by = _turn_rows(store, "short")
+    stored = {c: sum(r.output_text is not None for r in rows) for c, rows in by.items()}
+    waiting = [r for rows in by.values() for r in rows if r.output_text is None]
+    # The turns the stored ones made possible are kept, queued, and were never sent.
+    assert waiting and all(r.turn > 1 for r in waiting)
+    sent = {r["input_sha1"] for r in log}
+    assert not any(input_sha1(r.input_ids) in sent for r in waiting)
+    partial = sum(0 < n < 3 for n in stored.values())
+    counts = conversation_counts(store, "short", closed=True)
+    assert partial > 0
+    assert (counts.total, counts.complete, counts.partial, counts.in_progress) == (
+        6, sum(n == 3 for n in stored.values()), partial, 0)
+
+    for key, value in settings.to_env().items():
+        monkeypatch.setenv(key, value)
+    assert main(["status", "--json"]) == 0
+    [row] = json.loads(capsys.readouterr().out)["datasets"]
+    assert row["conversations"]["partial"] == partial
+
+
+def test_workers_killed_mid_conversation_store_every_turn_once(tmp_path: Path) -> None:
+    """Two worker processes, one SIGKILLed while it holds turns, replaced at once: every
+    conversation ends complete (or partial on a turn without an answer), each turn is
+    stored once and its successor made once, and Redis's counters equal SQL's."""
+    from tests.faultkit import PrivateRedis, Sim, Workers, held_unacked
+    from tests.faultkit_checks import check_run, load_requests, quiesce, settle
+
+    lines = [_conversation(2 * i, 3) for i in range(30)]  # 90 turns
+    path = _write(tmp_path / "chats.jsonl", lines)
+    with PrivateRedis() as server, Sim(tmp_path / "sim.jsonl", decode_tok_per_s=50,
+                                       mean_output_tokens=80, max_running_requests=64) as sim:
+        settings = make_settings(f"sqlite:///{tmp_path / 'db.sqlite'}", sim.url,
+                                 redis_url=server.url, heartbeat_s=1.0, dead_after_s=5.0,
+                                 sweep_s=2.0, sweep_quiet_s=5.0)
+        store, ledger = Store(settings.database_url), Ledger(server.client())
+        enqueue_paths(settings, [str(path)], max_new_tokens=400, turns="all")
+        with Workers(settings, tmp_path / "workers.log") as workers:
+            workers.start("ta", 8)
+            workers.start("tb", 8)
+            # Mid-run: some second turns stored, and the victim holding messages.
+            wait_for(lambda: store.prompt_counts("chats").get("done", 0) >= 20, 120,
+                     "20 turns stored")
+            wait_for(lambda: bool(held_unacked(server.client(), "ta")), 30, "ta holding")
+            workers.kill("ta")
+            workers.start("tc", 8)
+            assert settle(store, ["chats"], 240), workers.text()[-3000:]
+            quiesce(ledger, ["chats"])
+        check = check_run(store, ledger, ["chats"], entries=load_requests(log_file=sim.log_file))
+    check.assert_ok()  # every turn settled once, no duplicate row, counters equal SQL
+    by = _turn_rows(store, "chats")
+    assert set(by) == {line["id"] for line in lines}
+    for rows in by.values():
+        assert [r.turn for r in rows] == list(range(1, len(rows) + 1))  # each turn once
+        assert all(r.output_text is not None for r in rows)
+        assert len(rows) == 3 or not _answer(rows[-1].output_text)
+    counts = conversation_counts(store, "chats", closed=False)
+    assert counts.in_progress == counts.not_started == 0
+    assert counts.complete + counts.partial == len(lines)
+
+
+def test_turns_with_a_code_tokenizer_whose_template_renders_earlier_reasoning(
+    sqlite_url: str, code_sim: str, redis_client: redis.Redis, remote_tokenizer: Path,
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The test tokenizer that is Python code renders an earlier answer's reasoning: each
+    later turn's ids carry the model's own reasoning, split off its answer, and never the
+    line's."""
+    requests.post(f"{code_sim}/sim/reset", timeout=5).raise_for_status()
+    settings = make_settings(sqlite_url, code_sim, tokenizer=str(remote_tokenizer),
+                             trust_remote_code=True)
+    for key, value in settings.to_env().items():
+        monkeypatch.setenv(key, value)
+    path = _write(tmp_path / "coded.jsonl", LINES)
+    assert main(["enqueue", str(path), "-q", "--turns", "all", "--max-new-tokens", "400"]) == 0
+    store, ledger = Store(sqlite_url), Ledger(redis_client)
+    with running_worker(settings, concurrency=4):
+        wait_settled(store, ["coded"], client=redis_client)
+    assert_invariants(store, ledger, ["coded"])
+    hf = load_tokenizer(str(remote_tokenizer), trust_remote_code=True)
+    _check_round_trip(store, code_sim, hf, "coded", LINES)
+    later = [r for rows in _turn_rows(store, "coded").values() for r in rows if r.turn > 1]
+    assert later and all("<think>" in hf.decode(r.input_ids).partition("<think>")[2]
+                         for r in later)
+    _check_specforge(store, tmp_path / "export", "coded", LINES)
+
+
+def test_a_next_turn_stored_but_not_published_is_sent_by_the_sweep_and_by_enqueue(
+    settings: Settings, store: Store, ledger: Ledger, tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    lines = [_conversation(2 * i, 2) for i in range(4)]
+    path = _write(tmp_path / "lost.jsonl", lines)
+    enqueue_paths(settings, [str(path)], max_new_tokens=400, turns="all")
+    # A worker that dies between storing a turn and publishing the next: no publishing.
+    monkeypatch.setattr("workers.pipeline.publish_next", lambda *args: False)
+    with running_worker(settings, concurrency=4):
+        wait_for(lambda: store.prompt_counts("lost").get("done", 0) == len(lines), 60,
+                 "first turns stored")
+    later = queued_later_turns(store, "lost")
+    assert len(later) == sum(bool(_answer(rows[0].output_text))
+                             for rows in _turn_rows(store, "lost").values())
+    assert later and queued_in_redis(ledger.redis, "lost") == set()
+    monkeypatch.undo()
+
+    app = make_celery(settings)
+    assert requeue_lost(store, ledger.redis, Publisher(app), quiet_for_s=0) == {
+        "lost": len(later)}
+    assert queued_in_redis(ledger.redis, "lost") == set(later)
+    ledger.redis.delete(*dataset_keys("lost").queue_lists)  # lost again
+    [again] = enqueue_paths(settings, [str(path)], max_new_tokens=400, turns="all")
+    assert (again.enqueued, again.already_done) == (len(later), len(lines))
+    assert queued_in_redis(ledger.redis, "lost") == set(later)
+    with running_worker(settings, concurrency=4):
+        wait_settled(store, ["lost"], client=ledger.redis)
+    assert_invariants(store, ledger, ["lost"])
+    assert conversation_counts(store, "lost", closed=False).in_progress == 0
+
+
+def test_turns_from_a_manifest_and_a_mode_kept_per_dataset(
+    settings: Settings, store: Store, tmp_path: Path
+) -> None:
+    path = _write(tmp_path / "mixed.jsonl", [
+        LINES[2],
+        {"id": "tooled", "tools": [{"type": "function", "function": {"name": "f"}}],
+         "messages": [{"role": "user", "content": "q"}]},
+    ])
+    manifest = tmp_path / "m.toml"
+    manifest.write_text(f'[datasets.mixed]\nfiles = ["{path.name}"]\nturns = "all"\n')
+    [plan] = plans_from_manifest(str(manifest), Budget(), {}, 64)
+    assert plan.turns == "all"
+    manifest.write_text(f'[datasets.mixed]\nfiles = ["{path.name}"]\nturns = "some"\n')
+    with pytest.raises(ConfigError, match="turns must be one of last, all"):
+        plans_from_manifest(str(manifest), Budget(), {}, 64)
+
+    [summary] = enqueue_paths(settings, [str(path)], turns="all")
+    # The tool conversation is taken at its last turn, as today, and said so.
+    assert summary.notes == [TOOLS_NOTE.format(n=1)]
+    assert set(store.prompt_states("mixed")) == {"c2#turn1", "tooled"}
+    with pytest.raises(ConfigError, match="--turns all"):
+        enqueue_paths(settings, [str(path)], turns="last")
+
+
+def test_a_redelivered_turn_publishes_its_next_and_a_failed_build_keeps_the_result(
+    settings: Settings, store: Store, ledger: Ledger, tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    path = _write(tmp_path / "redo.jsonl", [_conversation(0, 2), _conversation(2, 2)])
+    enqueue_paths(settings, [str(path)], max_new_tokens=400, turns="all")
+    ledger.redis.delete(*dataset_keys("redo").queue_lists)  # the tasks run by hand below
+    ctx = WorkerContext.build(settings)
+    assert run_sample(ctx, "redo", "c0#turn1") == Outcome.DONE
+    # The simulator's output is a function of the prompt: this one has an answer.
+    assert _answer(_turn_rows(store, "redo")["c0"][0].output_text)
+    assert queued_in_redis(ledger.redis, "redo") == {"c0#turn2"}
+    # The worker died after the commit, before publishing: the redelivered turn does it.
+    ledger.redis.delete(*dataset_keys("redo").queue_lists)
+    assert run_sample(ctx, "redo", "c0#turn1") == Outcome.ALREADY_DONE
+    assert queued_in_redis(ledger.redis, "redo") == {"c0#turn2"}
+
+    # Building the next turn fails: the turn's result is stored all the same.
+    def broken(kept: Any) -> Any:
+        raise RuntimeError("no template today")
+
+    monkeypatch.setattr(ctx.next_turns, "build", broken)
+    assert run_sample(ctx, "redo", "c2#turn1") == Outcome.DONE
+    assert [r.turn for r in _turn_rows(store, "redo")["c2"]] == [1]
+    assert store.prompt_counts("redo") == {"done": 2, "queued": 1}
+
+
+def test_an_exact_close_cuts_a_turn_and_gives_it_no_successor(
+    settings: Settings, store: Store, ledger: Ledger, tmp_path: Path
+) -> None:
+    lines = [_conversation(2 * i, 3) for i in range(4)]
+    path = _write(tmp_path / "cut.jsonl", lines)
+    enqueue_paths(settings, [str(path)], budget=Budget(250, policy="exact"),
+                  max_new_tokens=400, turns="all")
+    with running_worker(settings, concurrency=1):
+        wait_settled(store, ["cut"], client=ledger.redis)
+    assert store.dataset("cut").state == "closed"
+    assert store.used_tokens("cut", store.dataset("cut").budget) == 250
+    assert_invariants(store, ledger, ["cut"])
+    with store.engine.connect() as conn:
+        cut = conn.execute(sa.select(prompt_inputs.c.conversation, prompt_inputs.c.turn)
+                           .join(results, sa.and_(
+                               results.c.dataset == prompt_inputs.c.dataset,
+                               results.c.sample_id == prompt_inputs.c.sample_id))
+                           .where(results.c.dataset == "cut",
+                                  results.c.finish_reason == "budget")).one()
+    turns = [r.turn for r in _turn_rows(store, "cut")[cut.conversation]]
+    assert turns[-1] == cut.turn  # nothing made after the cut answer

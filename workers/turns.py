@@ -1,0 +1,136 @@
+"""A conversation's next turn, built by the worker that stores the turn before it.
+
+Why here: turn i+1's prompt is turn i's prompt, the model's own answer to it and the
+line's next user message, rendered by the chat template and tokenized. The worker
+holding turn i's result has all of it at hand: it builds turn i+1 in the step that
+stores turn i and inserts it in the same transaction (ON CONFLICT DO NOTHING), so the
+next turn exists exactly when its predecessor is stored, whatever is killed or
+redelivered, and no other process needs the tokenizer. Each process loads a dataset's
+tokenizer once (checked against the template the producer used) and keeps it.
+
+The next turn is published once the transaction commits, into its dataset's queue like
+any prompt (behind the messages already waiting there). If the worker dies between the
+commit and the publishing, the redelivered turn finds its sample stored and publishes
+the next turn again; failing that, the workers' sweep publishes it, as any queued prompt
+Redis lost.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Sequence
+
+from common.conversation import next_turn, own_answer, turn_id
+from common.conversation_store import TurnContext, turn_contexts, turn_state
+from common.errors import ConfigError
+from common.ledger import Ledger
+from common.publish import Publisher
+from common.rows import NewPrompt, ResultRow, allowance
+from common.store import DatasetRow, Store
+from producer.template import ChatTemplater
+
+log = logging.getLogger(__name__)
+Kept = tuple[DatasetRow, ResultRow]
+
+
+class NextTurns:
+    """Builds the next turns of the conversation turns a worker stores."""
+
+    def __init__(self, store: Store, trust_remote_code: bool) -> None:
+        self.store, self.trust_remote_code = store, trust_remote_code
+        self._templaters: dict[tuple[str, str], ChatTemplater] = {}
+        self._lock = threading.Lock()
+
+    def templater(self, ds: DatasetRow) -> ChatTemplater:
+        """The dataset's chat templater, loaded once per process."""
+        key = (ds.tokenizer, ds.template_hash)
+        with self._lock:
+            found = self._templaters.get(key)
+            if found is None:
+                found = ChatTemplater(ds.tokenizer, ds.template_kwargs, self.trust_remote_code)
+                if found.template_hash != ds.template_hash:
+                    raise ConfigError(
+                        f"dataset {ds.name}: the tokenizer at {ds.tokenizer} has another chat "
+                        f"template (or kwargs) than the one its prompts were made with")
+                self._templaters[key] = found
+            return found
+
+    def build(self, kept: Sequence[Kept]) -> dict[tuple[str, str], NewPrompt]:
+        """The next turn of each kept row that is a conversation's turn with one after it,
+        by the row's key. A row cut to the budget (``exact``) gets none: its answer is not
+        the model's whole answer; nor does one without an answer (cut off while still
+        reasoning, or empty): no user replies to it, and SpecForge refuses an empty
+        assistant turn. Its conversation ends there, partial."""
+        wanted = [(ds, row) for ds, row in kept
+                  if ds.turns == "all" and row.finish_reason != "budget"]
+        if not wanted:
+            return {}
+        contexts = turn_contexts(self.store, [row.key for _, row in wanted])
+        made = {}
+        for ds, row in wanted:
+            context = contexts.get(row.key)
+            if context is None or context.turn >= context.turns:
+                continue
+            following = self._next(ds, row, context)
+            if following is not None:
+                made[row.key] = following
+        return made
+
+    def _next(self, ds: DatasetRow, row: ResultRow, context: TurnContext) -> NewPrompt | None:
+        turn = context.turn + 1
+        try:
+            templater = self.templater(ds)
+            answer = own_answer(row.output_text, templater.split_reasoning,
+                                templater.reasoning_close is not None)
+            if not str(answer["content"]).strip():
+                return None
+            messages = next_turn(context.original, context.prompt, context.turn, answer)
+            [input_ids] = templater.encode_batch([messages], [context.tools])
+        except Exception as exc:  # the conversation ends here, with the reason stored
+            log.warning("%s/%s: turn %d could not be built: %s", ds.name,
+                        row.sample_id, turn, exc)
+            return self._row(ds, context, turn, [], [], "failed",
+                             f"turn {turn} could not be built: {exc}")
+        max_new = int(ds.sampling.get("max_new_tokens", 0))
+        state, max_new_tokens, error = allowance(len(input_ids), max_new, ds.max_seq_len)
+        return self._row(ds, context, turn, messages, input_ids, state, error, max_new_tokens)
+
+    @staticmethod
+    def _row(ds: DatasetRow, context: TurnContext, turn: int, messages: list[dict[str, object]],
+             input_ids: list[int], state: str, error: str | None,
+             max_new_tokens: int = 0) -> NewPrompt:
+        return NewPrompt(
+            dataset=ds.name, sample_id=turn_id(context.conversation, turn), state=state,
+            prompt_tokens=len(input_ids), max_new_tokens=max_new_tokens,
+            source=context.source or "", messages=messages, input_ids=input_ids, error=error,
+            tools=context.tools, conversation=context.conversation, turn=turn)
+
+
+def publish_next(publisher: Publisher, ledger: Ledger, ds: DatasetRow, sample_id: str) -> bool:
+    """Publish a stored, queued next turn, unless its dataset has closed (no new turn
+    starts then: it stays queued in SQL, and the conversation is partial unless the
+    dataset is reopened). A publishing that fails is left to the workers' sweep; True if
+    it was published."""
+    try:
+        if ledger.is_closed(ds.name):
+            return False
+        publisher.publish(ds.name, ds.stamp, [sample_id])
+    except Exception as exc:  # Redis away: the turn is queued in SQL, the sweep sends it
+        log.warning("%s/%s: not published (%s); the sweep will publish it", ds.name,
+                    sample_id, exc)
+        return False
+    return True
+
+
+def publish_stored_next(store: Store, publisher: Publisher, ledger: Ledger, ds: DatasetRow,
+                        sample_id: str) -> bool:
+    """For a turn found already stored (a redelivery): publish its next turn again if it
+    is still queued, in case the worker that stored it died before publishing it. A copy
+    already queued is harmless: the ledger charges a turn once and SQL keeps one result."""
+    context = turn_contexts(store, [(ds.name, sample_id)]).get((ds.name, sample_id))
+    if context is None or context.turn >= context.turns:
+        return False
+    if turn_state(store, ds.name, context.conversation, context.turn + 1) != "queued":
+        return False
+    return publish_next(publisher, ledger, ds, turn_id(context.conversation, context.turn + 1))
