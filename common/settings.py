@@ -44,7 +44,9 @@ LEAST: dict[str, tuple[float, bool]] = {
     "sweep_quiet_s": (0, True),
     "start_wait_s": (0, False),
     "stop_after_failures": (0, True),
+    "metrics_port": (0, True),
 }
+MAX_PORT = 65535
 
 
 def env_name(field_name: str) -> str:
@@ -155,6 +157,9 @@ class Settings:
     # A dataset whose prompts fail this many times in a row with the same permanent error
     # (a 400 every sample gets) is stopped rather than failed prompt by prompt; 0: never.
     stop_after_failures: int = 5
+    # The port a worker serves Prometheus's /metrics on; 0: not served. One port per
+    # process: two workers on one host need two ports (a container has its own).
+    metrics_port: int = 0
     sglang_api_key: str = field(default="", repr=False)
 
     def __post_init__(self) -> None:
@@ -167,6 +172,9 @@ class Settings:
             if value < least or (value == least and not allowed):
                 bound = f"at least {least:g}" if allowed else f"above {least:g}"
                 raise ConfigError(f"{env_name(name)}={value} must be {bound}")
+        if self.metrics_port > MAX_PORT:
+            raise ConfigError(f"{env_name('metrics_port')}={self.metrics_port} is not a port: "
+                              f"give 1-{MAX_PORT}, or 0 for none")
         check_redis_url(self.redis_url)
         check_database_url(self.database_url)
         for url in self.sglang_urls:
