@@ -223,6 +223,20 @@ def test_two_workers_cannot_share_a_port(settings: Settings, tmp_path: Path) -> 
     assert "a port of its own" in done.stderr
 
 
+def test_a_worker_waiting_for_redis_is_scraped_as_not_up(settings: Settings,
+                                                          tmp_path: Path) -> None:
+    """/metrics answers from the start: a worker still waiting for its services is seen."""
+    port = free_port()
+    away = settings.replace(redis_url="redis://127.0.0.1:1/0", start_wait_s=120)
+    with workers(away, [port], tmp_path) as [proc]:
+        wait_for(lambda: scrape(port), "the waiting worker's /metrics")
+        first = scrape(port)
+        assert proc.poll() is None
+    assert value([first], "datagen_worker_up") == 0
+    assert value([first], "datagen_ledger_up") == 0
+    assert value([first], "datagen_worker_start_time_seconds") > 0
+
+
 def test_a_scrape_while_redis_is_away_says_so_and_answers() -> None:
     metrics = WorkerMetrics()
     metrics.registry.register(LedgerCollector(Ledger(redis.Redis(port=1, socket_timeout=1))))
