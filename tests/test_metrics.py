@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import socket
 import subprocess
 import sys
@@ -14,9 +15,11 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+import pytest
 import redis
 import requests
 import sqlalchemy as sa
+import yaml
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.samples import Sample
@@ -297,3 +300,32 @@ def test_the_dashboard_queries_only_what_workers_and_sglang_export(ledger: Ledge
     variable = board["templating"]["list"][0]
     assert variable["name"] == "dataset"
     assert re.findall(r"\bdatagen_\w+", variable["definition"])[0] in ours
+
+
+# Grafana's variables, as a query would have them filled in.
+GRAFANA_VARIABLES = {"$__rate_interval": "1m", "$__range": "1h", "$dataset": ".*"}
+
+
+def test_prometheus_parses_its_config_and_every_query_of_the_board(tmp_path: Path) -> None:
+    """``promtool`` (Debian's prometheus package) reads the scrape configuration, and the
+    board's expressions as recording rules: a PromQL syntax error fails here."""
+    promtool = shutil.which("promtool")
+    if promtool is None:
+        pytest.skip("promtool is not installed (CI: apt-get install -y prometheus)")
+    config = ROOT / "monitoring" / "prometheus.yml"
+    done = subprocess.run([promtool, "check", "config", str(config)], capture_output=True,
+                          text=True, timeout=60)
+    assert done.returncode == 0, done.stdout + done.stderr
+    board = json.loads(DASHBOARD.read_text())
+    variable = board["templating"]["list"][0]["definition"]  # Grafana's, not PromQL
+    exprs = [q for q in queries(board) if q != variable]
+    for name, filled in GRAFANA_VARIABLES.items():
+        exprs = [q.replace(name, filled) for q in exprs]
+    assert not [q for q in exprs if "$" in q], "a Grafana variable left unfilled"
+    rules = tmp_path / "board.yml"
+    rules.write_text(yaml.safe_dump({"groups": [{"name": "board", "rules": [
+        {"record": f"board_query_{i}", "expr": q} for i, q in enumerate(exprs)]}]}))
+    done = subprocess.run([promtool, "check", "rules", str(rules)], capture_output=True,
+                          text=True, timeout=60)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert f"{len(exprs)} rules found" in done.stdout
