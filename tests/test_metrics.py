@@ -188,6 +188,7 @@ def test_metrics_scraped_while_a_run_goes_on_equal_sql_at_its_end(
     assert value(final, "datagen_sample_output_tokens_count", dataset="wide") == \
         expected["wide"]["done"]
     assert value(final, "datagen_requests_in_flight") == 0
+    assert not [n for one in final for n in one if n.endswith("_created")]  # not stored twice
     # The ledger as each worker reads it at the scrape, and the close it made.
     for one in final:
         for name in names:

@@ -37,10 +37,6 @@ from common.errors import ConfigError
 from common.ledger import Ledger, LedgerState
 from common.rows import ResultRow
 
-# A `_created` series beside every counter and histogram child doubles what Prometheus
-# stores, for a start time the worker's own start time already gives.
-disable_created_metrics()
-
 # From a simulator's tenth of a second to the request timeout's half hour.
 LATENCY_BUCKETS_S = (0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1200, 1800)
 # Powers of two up to the longest outputs (max_new_tokens is 16,384 by default).
@@ -176,6 +172,11 @@ def ledger_families(states: list[LedgerState]) -> Iterator[Metric]:
 
 def serve(metrics: WorkerMetrics, port: int, ledger: Ledger) -> WSGIServer:
     """Serve ``/metrics`` on ``port`` (every interface) from a daemon thread."""
+    # A `_created` series beside every counter and histogram child doubles what Prometheus
+    # stores, for a start time the worker's own start time already gives. The switch is
+    # the process's, so it is thrown here, in a worker, not where the app is only imported
+    # (Flower's own metrics keep theirs).
+    disable_created_metrics()
     metrics.registry.register(LedgerCollector(ledger))
     try:
         server, _thread = start_http_server(port, registry=metrics.registry)
