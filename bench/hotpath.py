@@ -9,7 +9,10 @@ Single thread, sequential calls, same data, side by side:
     ``Store.save_results``), per prompt;
   * the ledger's scripts of a task (``admit`` + ``charge``), one at a time vs 8 in one
     batched script call each (``admit_many``, ``charge_many``), per task;
-  * a connection pool under 64 threads: SQLAlchemy's default for SQLite vs 64 slots.
+  * a connection pool under 64 threads: SQLAlchemy's default for SQLite vs 64 slots;
+  * Prometheus metrics: a sample's updates on the task's path (in flight and latency
+    around the request, the stored counter and output histogram), and one scrape of a
+    worker's registry with the ledgers of 10 datasets read from Redis.
 
     python -m bench.hotpath [--quick]
 """
@@ -36,6 +39,7 @@ from common.ledger import AdmitArgs, ChargeArgs, Ledger
 from common.rows import ResultRow
 from common.sglang_client import SGLangClient
 from common.store import Store
+from workers.metrics import LedgerCollector, WorkerMetrics
 
 # Items per group in the grouped cases: about what a worker's groups hold at full rate.
 GROUP = 8
@@ -135,6 +139,29 @@ def ledger_cases(ledger: Ledger) -> dict[str, Callable[[int], Any]]:
             f"Ledger.admit_many + charge_many, {GROUP} a round (per task)": grouped}
 
 
+def metrics_cases(ledger: Ledger, datasets: int = 10) -> dict[str, Callable[[int], Any]]:
+    from prometheus_client import generate_latest
+
+    names = [f"metrics{k}" for k in range(datasets)]
+    for name in names:
+        ledger.configure(name, Budget(10**7, "output", "drain"))
+    metrics = WorkerMetrics()
+    metrics.registry.register(LedgerCollector(ledger))
+    rows = [ResultRow(dataset=name, sample_id="s", rid="r", prompt_tokens=300,
+                      completion_tokens=500, finish_reason="stop", output_ids=[],
+                      output_text="", server="", model="") for name in names]
+
+    def sample(i: int) -> None:
+        row = rows[i % datasets]
+        with metrics.request(row.dataset):
+            pass
+        metrics.stored(row)
+
+    return {"metrics: a sample's updates (request, stored)": sample,
+            f"metrics: a scrape, {datasets} datasets' ledgers read": lambda _: generate_latest(
+                metrics.registry)}
+
+
 def pool_rate(store: Store, keys: list[tuple[str, str]], threads: int = 64,
               seconds: float = 2.0) -> float:
     """Store.prompt calls/s with ``threads`` threads sharing the store's pool."""
@@ -190,6 +217,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             cases = {**(http_cases(url, payloads) if kind == args.dbs.split(",")[0] else {}),
                      **{f"{k} [{kind}]": v for k, v in sql_cases(store, keys).items()},
                      **ledger_cases(Ledger(fresh_redis()))}
+            if kind == args.dbs.split(",")[0]:
+                cases.update(metrics_cases(Ledger(fresh_redis())))
             for _ in range(args.reps):
                 for name, fn in cases.items():
                     results_us.setdefault(name, []).append(per_call(fn, args.calls))

@@ -10,8 +10,12 @@ task, so their per-task CPU can be compared step by step.
 another checkout (e.g. ``git archive HEAD | tar -x -C DIR``): old and new side by side.
 ``--workers N`` runs every leg, bare ones included, on N worker processes of
 ``--concurrency`` threads each (default one process of 64; ``cores``: one per core).
+``--metrics`` adds, in each round, a leg per database whose worker serves Prometheus's
+/metrics and is scraped every ``--scrape-s`` (1 s: fifteen times Prometheus's default
+pace), beside the same leg with no metrics port: the cost of metrics on the hot path.
 
     python -m bench.overhead [--quick] [--profile] [--baseline DIR] [--workers N|cores]
+                             [--metrics [--scrape-s S]]
 """
 
 from __future__ import annotations
@@ -21,10 +25,13 @@ import contextlib
 import os
 import subprocess
 import sys
+import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
+
+import requests
 
 from bench import profiling
 from bench import runs as bench_runs
@@ -44,6 +51,7 @@ from bench.report import Summary, emit, table, verdict
 from bench.runs import Leg, bare_celery_leg, pipeline_leg
 from bench.synth import enqueue, prompt_files
 from common.settings import Settings
+from ops.localredis import free_port
 
 TARGET_RATIO, TARGET_RATE = 0.8, 400.0
 PROFILE_DELAY_S = 2.0
@@ -64,7 +72,13 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--profile", action="store_true",
                    help="one more leg under py-spy, on the first of --dbs")
     p.add_argument("--baseline", type=Path, help="a checkout whose worker code to compare with")
+    p.add_argument("--metrics", action="store_true",
+                   help="a leg per database with /metrics served and scraped")
+    p.add_argument("--scrape-s", type=float, default=1.0,
+                   help="seconds between scrapes in --metrics legs (default: %(default)s)")
     args = p.parse_args(argv)
+    if args.metrics and args.workers > 1:
+        p.error("--metrics runs one worker process per leg (one metrics port)")
     args.samples = args.samples or (600 if args.quick else 3000)
     args.rounds = args.rounds or (2 if args.quick else 3)
     return args
@@ -80,12 +94,14 @@ def _processes(value: str) -> int:
 
 
 BASELINE_SUFFIX = "@baseline"
+METRICS_SUFFIX = "+metrics"
 
 
 def one_leg(procs: Processes, sim: tuple[str, int], args: argparse.Namespace, kind: str,
             n: int = 0, on_start: Any = None) -> Leg:
     n = n or args.samples
-    db = "sqlite" if kind.startswith("bare") else kind.removesuffix(BASELINE_SUFFIX)
+    db = ("sqlite" if kind.startswith("bare")
+          else kind.removesuffix(BASELINE_SUFFIX).removesuffix(METRICS_SUFFIX))
     fresh_redis()
     settings = bench_settings(fresh_db(db, tag=db), sim[0], args.concurrency)
     enqueue(settings, prompt_files(n), max_new_tokens=1024)
@@ -96,8 +112,39 @@ def one_leg(procs: Processes, sim: tuple[str, int], args: argparse.Namespace, ki
     if kind.endswith(BASELINE_SUFFIX):
         with workers_from(args.baseline):
             return pipeline_leg(procs, f"pipeline {kind}", settings, sim, n, workers=w)
+    if kind.endswith(METRICS_SUFFIX):
+        settings = settings.replace(metrics_port=free_port())
+        with scraped(settings.metrics_port, args.scrape_s) as scrapes:
+            leg = pipeline_leg(procs, f"pipeline {kind}", settings, sim, n, workers=w,
+                               on_start=on_start)
+        leg.extra["scrapes"] = scrapes()
+        return leg
     return pipeline_leg(procs, f"pipeline {kind}", settings, sim, n, workers=w,
                         on_start=on_start)
+
+
+@contextlib.contextmanager
+def scraped(port: int, every_s: float) -> Iterator[Callable[[], int]]:
+    """A thread that GETs /metrics on ``port`` every ``every_s`` meanwhile, as Prometheus
+    would; yields a count of the scrapes answered."""
+    stop, answered = threading.Event(), [0]
+
+    def run() -> None:
+        with requests.Session() as http:
+            while not stop.wait(every_s):
+                try:
+                    http.get(f"http://127.0.0.1:{port}/metrics", timeout=5).raise_for_status()
+                    answered[0] += 1
+                except requests.RequestException:
+                    pass  # not serving yet, or stopped
+
+    thread = threading.Thread(target=run, daemon=True, name="scraper")
+    thread.start()
+    try:
+        yield lambda: answered[0]
+    finally:
+        stop.set()
+        thread.join(10)
 
 
 @contextlib.contextmanager
@@ -243,7 +290,8 @@ def round_order(kinds: list[str], i: int) -> list[str]:
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     dbs = [k for k in args.dbs.split(",") if k]
-    kinds = dbs + ([d + BASELINE_SUFFIX for d in dbs] if args.baseline else []) + ["bare"]
+    kinds = (dbs + ([d + BASELINE_SUFFIX for d in dbs] if args.baseline else [])
+             + ([d + METRICS_SUFFIX for d in dbs] if args.metrics else []) + ["bare"])
     legs: dict[str, list[Leg]] = {k: [] for k in kinds}
     prof: dict[str, Any] | None = None
     clean_workdir()

@@ -14,7 +14,7 @@ from redis.commands.core import Script
 from common import ledger_scripts as lua
 from common.budget import Budget
 from common.errors import StoreMismatch
-from common.keys import DATASETS, STORE_ID, dataset_keys
+from common.keys import DATASETS, KOMBU_PRIORITY_STEPS, STORE_ID, dataset_keys
 from common.replies import text, texts
 
 
@@ -250,26 +250,38 @@ class Ledger:
         return texts(self.redis.hkeys(dataset_keys(name).inflight))
 
     def state(self, name: str) -> LedgerState:
-        ds = dataset_keys(name)
+        return self.states([name])[0]
+
+    def states(self, names: Sequence[str]) -> list[LedgerState]:
+        """Each dataset's ledger, queue length and requests in flight, in one round trip."""
         pipe = self.redis.pipeline(transaction=False)
-        pipe.hgetall(ds.ledger)
-        pipe.hlen(ds.inflight)
-        for q in ds.queue_lists:
-            pipe.llen(q)
-        raw, inflight, *lens = pipe.execute()
-        h = {text(k): text(v) for k, v in raw.items()}
-        return LedgerState(
-            name=name,
-            used_tokens=int(h.get("used", 0)),
-            samples=int(h.get("samples", 0)),
-            budget_tokens=int(h.get("budget", 0)),
-            basis=h.get("basis", "output"),
-            policy=h.get("policy", "drain"),
-            state=h.get("state", "open"),
-            reserved_tokens=int(h.get("reserved", 0)),
-            inflight=int(inflight),
-            queued=sum(int(n) for n in lens),
-            closed_at=float(h["closed_at"]) if "closed_at" in h else None,
-            close_reason=h.get("close_reason"),
-            used_at_close=int(h["used_at_close"]) if "used_at_close" in h else None,
-        )
+        for name in names:
+            ds = dataset_keys(name)
+            pipe.hgetall(ds.ledger)
+            pipe.hlen(ds.inflight)
+            for q in ds.queue_lists:
+                pipe.llen(q)
+        replies = pipe.execute() if names else []
+        step = 2 + len(KOMBU_PRIORITY_STEPS)  # the hash, the inflight count, the lists
+        return [_ledger_state(name, replies[i * step], replies[i * step + 1],
+                              replies[i * step + 2:(i + 1) * step])
+                for i, name in enumerate(names)]
+
+
+def _ledger_state(name: str, raw: dict[Any, Any], inflight: int, lens: list[int]) -> LedgerState:
+    h = {text(k): text(v) for k, v in raw.items()}
+    return LedgerState(
+        name=name,
+        used_tokens=int(h.get("used", 0)),
+        samples=int(h.get("samples", 0)),
+        budget_tokens=int(h.get("budget", 0)),
+        basis=h.get("basis", "output"),
+        policy=h.get("policy", "drain"),
+        state=h.get("state", "open"),
+        reserved_tokens=int(h.get("reserved", 0)),
+        inflight=int(inflight),
+        queued=sum(int(n) for n in lens),
+        closed_at=float(h["closed_at"]) if "closed_at" in h else None,
+        close_reason=h.get("close_reason"),
+        used_at_close=int(h["used_at_close"]) if "used_at_close" in h else None,
+    )

@@ -46,7 +46,9 @@ LEAST: dict[str, tuple[float, bool]] = {
     "stop_after_failures": (0, True),
     "load_poll_s": (0, True),
     "progress_every_s": (0, True),
+    "metrics_port": (0, True),
 }
+MAX_PORT = 65535
 
 
 def env_name(field_name: str) -> str:
@@ -163,6 +165,9 @@ class Settings:
     # Where stderr is no terminal (compose logs, CI), enqueue, export and validate write a
     # progress line this often; 0 writes one at every step.
     progress_every_s: float = 5.0
+    # The port a worker serves Prometheus's /metrics on; 0: not served. One port per
+    # process: two workers on one host need two ports (a container has its own).
+    metrics_port: int = 0
     sglang_api_key: str = field(default="", repr=False)
 
     def __post_init__(self) -> None:
@@ -175,6 +180,9 @@ class Settings:
             if value < least or (value == least and not allowed):
                 bound = f"at least {least:g}" if allowed else f"above {least:g}"
                 raise ConfigError(f"{env_name(name)}={value} must be {bound}")
+        if self.metrics_port > MAX_PORT:
+            raise ConfigError(f"{env_name('metrics_port')}={self.metrics_port} is not a port: "
+                              f"give 1-{MAX_PORT}, or 0 for none")
         check_redis_url(self.redis_url)
         check_database_url(self.database_url)
         for url in self.sglang_urls:

@@ -58,8 +58,10 @@ def _start_sim(stack: ExitStack) -> str:
 
 
 def _start_workers(stack: ExitStack, settings: Settings, n: int, concurrency: int) -> None:
-    env = {**os.environ, **settings.to_env()}
-    for _ in range(n):
+    for i in range(n):
+        # Workers on one host cannot share a metrics port: the next ones take the next.
+        port = settings.metrics_port + i if settings.metrics_port else 0
+        env = {**os.environ, **settings.replace(metrics_port=port).to_env()}
         proc = subprocess.Popen(
             [sys.executable, "-m", "ops.cli", "worker", "--concurrency", str(concurrency),
              "--loglevel", "WARNING"],

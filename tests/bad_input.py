@@ -70,6 +70,7 @@ def _settings_cases() -> list[Case]:
         status("DATAGEN_CONCURRENCY", "2.5", "is not a whole number"),
         status("DATAGEN_REQUEST_TIMEOUT_S", "soon", "is not a number"),
         status("DATAGEN_RETRY_MAX_S", "inf", "is not a finite number"),
+        status("DATAGEN_METRICS_PORT", "70000", "is not a port: give 1-65535, or 0 for none"),
     ]
     for name, (least, allowed) in LEAST.items():
         value = f"{least - 1:g}" if allowed else f"{least:g}"

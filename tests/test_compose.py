@@ -3,12 +3,13 @@
 The checks:
 - ``docker-compose config`` accepts the file, with .env.example as its env file.
 - The file's structure: profiles, required secrets, scaling, shutdown, and full coverage of
-  the settings.
+  the settings; the monitoring profile's Prometheus and Grafana files it mounts.
 - The run check: every app service's own entrypoint, command, environment and healthchecks
   are read from the file and run as local processes, with the container's names mapped to
   the tests' services: Redis DB 15, a fresh PostgreSQL, the simulator started from the
   ``sim`` service's command, and a temp copy of the prompts folder. A small job then has
-  to complete through them.
+  to complete through them, and each worker's /metrics, as Prometheus scrapes it, has to
+  count what SQL holds.
 """
 
 from __future__ import annotations
@@ -31,9 +32,12 @@ from typing import Any
 import pytest
 import redis
 import requests
+import sqlalchemy as sa
 import yaml
+from prometheus_client.parser import text_string_to_metric_families
 
 from common.ledger import Ledger
+from common.schema import results
 from common.settings import ENV_PREFIX, Settings
 from common.store import Store
 from ops import healthcheck
@@ -44,7 +48,9 @@ COMPOSE_FILE = ROOT / "docker-compose.yml"
 ENV_EXAMPLE = ROOT / ".env.example"
 VENV_BIN = Path(sys.executable).parent
 APP_SERVICES = ("worker", "producer", "flower", "sim")
-SECRETS = ("REDIS_PASSWORD", "POSTGRES_PASSWORD", "FLOWER_USER", "FLOWER_PASSWORD")
+SECRETS = ("REDIS_PASSWORD", "POSTGRES_PASSWORD", "FLOWER_USER", "FLOWER_PASSWORD",
+           "GRAFANA_PASSWORD")
+MONITORING = ROOT / "monitoring"
 # What a user would put in .env, with the simulator made fast for a test.
 TEST_ENV = {
     "REDIS_PASSWORD": "test-redis-pw",
@@ -170,7 +176,8 @@ def _docker_compose(*args: str, env_file: Path) -> subprocess.CompletedProcess[s
     )
 
 
-@pytest.mark.parametrize("profile", [[], ["--profile", "sim"]], ids=["default", "sim"])
+@pytest.mark.parametrize("profile", [[], ["--profile", "sim"], ["--profile", "monitoring"]],
+                         ids=["default", "sim", "monitoring"])
 def test_docker_compose_config_accepts_the_file(profile: list[str], tmp_path: Path) -> None:
     env_file = tmp_path / "test.env"
     env_file.write_text("".join(f"{k}={v}\n" for k, v in compose_env().items()))
@@ -193,7 +200,7 @@ def test_docker_compose_config_needs_no_env_file() -> None:
 
 def run_gate(service: dict[str, Any], env: Mapping[str, str]) -> subprocess.CompletedProcess[str]:
     """The service's own start-up check, run here with a command that cannot start."""
-    argv = argv_of(service["command"])
+    argv = argv_of(service.get("entrypoint") or service["command"])
     assert argv[:2] == ["sh", "-c"], argv
     script = argv[2].split("exec ", 1)[0] + "exit 0"
     return subprocess.run(["sh", "-c", script, *argv[3:]], env=dict(env),
@@ -204,6 +211,7 @@ def run_gate(service: dict[str, Any], env: Mapping[str, str]) -> subprocess.Comp
     ("REDIS_PASSWORD", "redis", "set REDIS_PASSWORD in .env"),
     ("FLOWER_USER", "flower", "set FLOWER_USER and FLOWER_PASSWORD in .env"),
     ("FLOWER_PASSWORD", "flower", "set FLOWER_USER and FLOWER_PASSWORD in .env"),
+    ("GRAFANA_PASSWORD", "grafana", "set GRAFANA_PASSWORD in .env"),
 ])
 def test_a_service_refuses_to_start_without_its_secret(missing: str, service: str,
                                                        says: str) -> None:
@@ -233,6 +241,7 @@ def test_profiles_and_sglang_url_defaults_fit_together() -> None:
     assert read_env_file(ENV_EXAMPLE)["COMPOSE_PROFILES"] == "gpu"
     assert services["sglang"]["profiles"] == ["gpu"]
     assert services["sim"]["profiles"] == ["sim"]
+    assert services["prometheus"]["profiles"] == services["grafana"]["profiles"] == ["monitoring"]
     unprofiled = {"redis", "postgres", "worker", "producer", "flower"}
     assert {n for n, s in services.items() if "profiles" not in s} == unprofiled
     # The default URL reaches whichever server runs: the simulator answers to `sglang` too.
@@ -287,6 +296,43 @@ def test_workers_scale_and_shut_down_warm() -> None:
     redis_command = " ".join(argv_of(services["redis"]["command"]))
     assert "--appendonly yes" in redis_command
     assert "--maxmemory-policy noeviction" in redis_command
+
+
+def test_monitoring_scrapes_every_worker_and_grafana_reads_that_prometheus() -> None:
+    services = load_compose(compose_env())["services"]
+    worker_port = int(services["worker"]["environment"]["DATAGEN_METRICS_PORT"])
+    assert worker_port > 0  # on in compose: each replica has its own network namespace
+    scrape = {job["job_name"]: job for job in
+              yaml.safe_load((MONITORING / "prometheus.yml").read_text())["scrape_configs"]}
+    # Every replica of the worker service, by the name compose's DNS answers for them all.
+    [workers] = scrape["datagen-worker"]["dns_sd_configs"]
+    assert workers["names"] == ["worker"] and workers["type"] == "A"
+    assert workers["port"] == worker_port
+    # SGLang where the workers send their requests (the simulator answers there too).
+    sglang = services["worker"]["environment"]["DATAGEN_SGLANG_URL"].removeprefix("http://")
+    assert scrape["sglang"]["static_configs"] == [{"targets": [sglang]}]
+    assert "--enable-metrics" in argv_of(services["sglang"]["command"])
+    # Each file the two services mount is in the repository, and Grafana's datasource is
+    # the Prometheus service, under the uid the dashboard queries.
+    for name in ("prometheus", "grafana"):
+        for volume in services[name]["volumes"]:
+            source = volume.split(":")[0]
+            if source.startswith("./"):
+                assert (ROOT / source).exists(), (name, volume)
+        assert services[name]["ports"][0].startswith("127.0.0.1:"), name
+    [source] = yaml.safe_load((MONITORING / "grafana/provisioning/datasources/prometheus.yml")
+                              .read_text())["datasources"]
+    prometheus_port = services["prometheus"]["ports"][0].rsplit(":", 1)[1]
+    assert source["url"] == f"http://prometheus:{prometheus_port}"
+    dashboard = (MONITORING / "grafana/dashboards/datagen.json").read_text()
+    uids = set(re.findall(r'"uid":\s*"([^"]+)"', dashboard)) - {"datagen"}
+    assert uids == {source["uid"]}
+    [provider] = yaml.safe_load((MONITORING / "grafana/provisioning/dashboards/datagen.yml")
+                                .read_text())["providers"]
+    mounted = {v.split(":")[1]: v.split(":")[0] for v in services["grafana"]["volumes"]}
+    assert mounted[provider["options"]["path"]] == "./monitoring/grafana/dashboards"
+    home = services["grafana"]["environment"]["GF_DASHBOARDS_DEFAULT_HOME_DASHBOARD_PATH"]
+    assert home == provider["options"]["path"] + "/datagen.json"
 
 
 def test_dockerfile_builds_a_slim_non_root_image() -> None:
@@ -445,6 +491,23 @@ def answers(url: str, **kwargs: Any) -> bool:
         return False
 
 
+def assert_scraped_counts_equal_sql(store: Store, ports: list[int], procs: Processes) -> None:
+    """The workers' /metrics, parsed as Prometheus parses it, count the results SQL holds
+    (a task's counter moves just after its commit: it gets a few seconds to catch up)."""
+    with store.engine.connect() as conn:
+        stored = conn.scalar(sa.select(sa.func.count()).select_from(results))
+
+    def counted() -> float:
+        total = 0.0
+        for port in ports:
+            body = requests.get(f"http://127.0.0.1:{port}/metrics", timeout=5).text
+            total += sum(s.value for f in text_string_to_metric_families(body)
+                         for s in f.samples if s.name == "datagen_samples_done_total")
+        return total
+
+    wait_until(lambda: counted() == stored, f"metrics counting {stored} results", 15, procs)
+
+
 def test_compose_commands_run_a_small_job(redis_client: redis.Redis, tmp_path: Path) -> None:
     services = load_compose(compose_env())["services"]
     local = Local(small_prompts(tmp_path), {30000: free_port(), 5555: free_port()})
@@ -462,9 +525,13 @@ def test_compose_commands_run_a_small_job(redis_client: redis.Redis, tmp_path: P
     with processes(tmp_path / "logs") as procs:
         procs.start("sim", argv("sim"), local.env(services["sim"]))
         wait_until(lambda: answers(f"{sim_url}/health"), "simulator", 20, procs)
-        # Two replicas, as with --scale worker=2; each passes its SGLang gate first.
-        for i in (1, 2):
-            procs.start(f"worker-{i}", argv("worker"), local.env(services["worker"]))
+        # Two replicas, as with --scale worker=2; each passes its SGLang gate first. Each
+        # container serves /metrics on the same port in its own network; here, each
+        # process on a port of its own.
+        metrics_ports = [free_port(), free_port()]
+        for i, port in enumerate(metrics_ports, 1):
+            env = {**local.env(services["worker"]), "DATAGEN_METRICS_PORT": str(port)}
+            procs.start(f"worker-{i}", argv("worker"), env)
         procs.start("flower", argv("flower"), local.env(services["flower"]))
 
         producer = subprocess.run(argv("producer"), cwd=ROOT, env=local.env(services["producer"]),
@@ -484,6 +551,7 @@ def test_compose_commands_run_a_small_job(redis_client: redis.Redis, tmp_path: P
         assert any(store.prompt_counts(n).get("done") for n in names)
         for name, proc in procs.running.items():
             assert proc.poll() is None, f"{name} exited early\n{procs.tail(name)}"
+        assert_scraped_counts_equal_sql(store, metrics_ports, procs)
 
         wait_until(lambda: answers(f"{flower_url}/healthcheck"), "flower", 20, procs)
         assert requests.get(flower_url, timeout=10).status_code == 401

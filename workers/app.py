@@ -12,12 +12,12 @@ import warnings
 from typing import Any
 
 import redis
-from celery import Celery, signals
+from celery import Celery, current_app, signals
 from celery.exceptions import CPendingDeprecationWarning
 
 from common.celery_app import make_celery
 from common.db import UNAVAILABLE
-from common.errors import ServiceUnavailable, StoreMismatch
+from common.errors import ConfigError, ServiceUnavailable, StoreMismatch
 from common.publish import Publisher
 from common.reconcile import reconcile_all
 from common.services import short_reason
@@ -25,6 +25,7 @@ from common.settings import Settings
 from workers.context import get_context
 from workers.liveness import Heartbeat, Received
 from workers.load_poller import LoadPolling
+from workers.metrics import WorkerMetrics, ledger_for_scrapes, serve
 from workers.queues import DatasetQueues
 from workers.recovery import recover
 from workers.startup import wait_for_services, watch_sglang
@@ -34,6 +35,8 @@ log = logging.getLogger("datagen.worker")
 # The exit status of a worker whose Redis or database did not answer in start_wait_s, as
 # of every datagen command that meets a service down.
 EXIT_UNAVAILABLE = 3
+# As every datagen command given a setting it cannot use.
+EXIT_BAD_INPUT = 2
 # A service that stopped answering: nothing about the data is known to be wrong.
 _GONE: tuple[type[Exception], ...] = (redis.RedisError, ServiceUnavailable, *UNAVAILABLE)
 
@@ -43,6 +46,7 @@ def create_app(settings: Settings) -> Celery:
     app.conf.update(worker_pool="threads", worker_concurrency=settings.concurrency)
     app.datagen_settings = settings  # type: ignore[attr-defined]
     app.datagen_received = Received()  # type: ignore[attr-defined]
+    app.datagen_metrics = WorkerMetrics()  # type: ignore[attr-defined]
     register_tasks(app, settings)
     app.steps["consumer"].add(DatasetQueues)
     app.steps["consumer"].add(LoadPolling)
@@ -112,6 +116,7 @@ def _prepare_on_start(sender: Any = None, **_: Any) -> None:
             # the threads this worker really runs (workers/context.py).
             conf = sender.app.datagen_settings
             sender.app.datagen_settings = conf.replace(concurrency=threads)
+        _serve_metrics(sender.app)
         try:
             wait_for_services(sender.app.datagen_settings)
         except ServiceUnavailable as exc:
@@ -122,16 +127,51 @@ def _prepare_on_start(sender: Any = None, **_: Any) -> None:
         prepare(sender.app)
 
 
+def _serve_metrics(app: Celery) -> None:
+    """Serve /metrics from the start, so a worker still waiting for its services is seen
+    (``datagen_worker_up`` 0, ``datagen_ledger_up`` 0) rather than missing."""
+    conf = app.datagen_settings  # type: ignore[attr-defined]
+    if not conf.metrics_port:
+        return
+    try:
+        app.datagen_metrics_server = serve(  # type: ignore[attr-defined]
+            app.datagen_metrics, conf.metrics_port,  # type: ignore[attr-defined]
+            ledger_for_scrapes(conf.redis_url))
+    except ConfigError as exc:
+        log.error("%s", exc)
+        raise SystemExit(EXIT_BAD_INPUT) from None
+    log.info("serving Prometheus metrics on port %d (/metrics)", conf.metrics_port)
+
+
 @signals.worker_ready.connect
 def _start_heartbeat(sender: Any = None, **_: Any) -> None:
     if _ours(getattr(sender, "app", None)):
         _quiet_cancel_advice()
         conf = sender.app.datagen_settings
+        metrics = sender.app.datagen_metrics
         beat = Heartbeat(sender.app, _redis(sender.app), liveness_id(sender),
                          sender.app.datagen_received, conf.heartbeat_s, conf.dead_after_s,
-                         conf.sweep_s, conf.sweep_quiet_s)
+                         conf.sweep_s, conf.sweep_quiet_s, on_beat=metrics.beat)
         sender.app.datagen_heartbeat = beat
         beat.start()
+        metrics.up.set(1)
+
+
+@signals.worker_shutting_down.connect
+def _not_up(**_: Any) -> None:
+    # Sent with the worker's name only: the app is this process's current one. Its
+    # requests may run for many minutes more; it takes no new ones.
+    app = current_app._get_current_object()
+    if _ours(app):
+        app.datagen_metrics.up.set(0)
+
+
+@signals.worker_shutdown.connect
+def _stop_metrics(sender: Any = None, **_: Any) -> None:
+    server = getattr(getattr(sender, "app", None), "datagen_metrics_server", None)
+    if server is not None:
+        server.shutdown()
+        server.server_close()
 
 
 @signals.worker_shutdown.connect

@@ -25,6 +25,7 @@ from common.tokenizer_files import code_class, load_tokenizer
 from workers import steps
 from workers.grouping import LINGER_S, MAX_GROUP, GroupCall
 from workers.inflight import LiveRids
+from workers.metrics import WorkerMetrics
 from workers.results import ResultWriter
 from workers.turns import NextTurns
 
@@ -49,6 +50,7 @@ class WorkerContext:
     settlements: GroupCall[steps.SettleItem, steps.Settled] = field(init=False)
     next_turns: NextTurns = field(init=False)
     live_rids: LiveRids = field(default_factory=LiveRids)
+    metrics: WorkerMetrics = field(default_factory=WorkerMetrics)
     _datasets: dict[str, tuple[float, DatasetRow]] = field(default_factory=dict)
     _decoders: dict[str, Decoder | None] = field(default_factory=dict)
     _reading: dict[str, threading.Lock] = field(default_factory=dict)  # one per dataset
@@ -57,6 +59,7 @@ class WorkerContext:
     def __post_init__(self) -> None:
         self.results = ResultWriter(self.store)
         self.next_turns = NextTurns(self.store, self.settings.trust_remote_code)
+        self.metrics.threads.set(self.settings.concurrency)
         most = max(1, min(MAX_GROUP, self.settings.concurrency))
         # With every slot busy, a worker's tasks are split between the two steps (and
         # their requests): a leader waiting for more than half of them would wait for
@@ -82,7 +85,9 @@ class WorkerContext:
         )
         ledger = Ledger(redis.Redis.from_url(settings.redis_url, health_check_interval=25))
         store = Store(settings.database_url, settings.db_connections)
-        return cls(settings, store, ledger, client, app)
+        # The app's metrics, when it has them: its server may be up before the context.
+        metrics = getattr(app, "datagen_metrics", None) or WorkerMetrics()
+        return cls(settings, store, ledger, client, app, metrics=metrics)
 
     def dataset(self, name: str) -> DatasetRow:
         """The dataset's terms, re-read every few seconds so budget changes arrive.

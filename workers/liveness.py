@@ -23,6 +23,7 @@ import os
 import signal
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 import redis
@@ -197,6 +198,7 @@ class Heartbeat:
         dead_after_s: float,
         sweep_s: float = Settings.sweep_s,
         sweep_quiet_s: float = Settings.sweep_quiet_s,
+        on_beat: Callable[[], None] | None = None,
     ) -> None:
         if interval_s * 2 >= dead_after_s:
             raise ConfigError(
@@ -206,6 +208,7 @@ class Heartbeat:
         self.app, self.client, self.worker, self.received = app, client, worker, received
         self.interval_s, self.dead_after_s = interval_s, dead_after_s
         self.sweep_s, self.sweep_quiet_s = sweep_s, sweep_quiet_s
+        self.on_beat = on_beat  # after each beat that reached Redis
         self._next_sweep = time.monotonic() + sweep_s
         self._suspects: dict[tuple[str, str], float] = {}
         self._away_noted = -AWAY_NOTE_S
@@ -237,6 +240,8 @@ class Heartbeat:
                 restored = reap(self.app, self.client, self.dead_after_s, self._suspects)
                 if restored:
                     log.info("reaper: %d messages returned to their queues", restored)
+                if self.on_beat is not None:
+                    self.on_beat()
             except (redis.ConnectionError, redis.TimeoutError) as exc:
                 self._note_away(exc)
             except Exception:

@@ -89,7 +89,9 @@ def _generate(ctx: WorkerContext, prompt: PromptRow, server: str, rid: str,
     if admission is not Admission.ADMITTED:
         return Outcome.WAIT
     ds = ctx.dataset(prompt.dataset)
-    completion = ctx.client.generate(server, rid, prompt.input_ids, sampling_params(ds, prompt))
+    with ctx.metrics.request(prompt.dataset):
+        completion = ctx.client.generate(server, rid, prompt.input_ids,
+                                         sampling_params(ds, prompt))
     if completion.finish_type == "abort":
         return _aborted(ctx, prompt.dataset, prompt.sample_id, rid, completion)
     return keep(ctx, ds, prompt.sample_id, completion)
@@ -100,6 +102,7 @@ def keep(ctx: WorkerContext, ds: DatasetRow, sample_id: str, completion: Complet
     settled = ctx.settlements((ds, sample_id, completion))
     charge, row, then = settled.charge, settled.row, settled.then
     if charge.status is Charge.REFUSED:
+        ctx.metrics.discarded.labels(ds.name).inc()
         return Outcome.DISCARDED
     if row is not None and isinstance(settled.error, UNAVAILABLE):
         # Charged, but the database was away: store this row alone once it is back.
@@ -108,6 +111,8 @@ def keep(ctx: WorkerContext, ds: DatasetRow, sample_id: str, completion: Complet
         raise unstorable(settled.error) from settled.error
     else:
         inserted = settled.inserted
+    if inserted and row is not None:
+        ctx.metrics.stored(row)
     if charge.status is Charge.DUPLICATE and inserted and row is not None:
         # Charged before a crash that lost the store: price the result now kept.
         cost = ds.budget.cost(row.prompt_tokens, row.completion_tokens)
@@ -117,6 +122,7 @@ def keep(ctx: WorkerContext, ds: DatasetRow, sample_id: str, completion: Complet
     if charge.crossed:
         log.info("dataset %s crossed its budget at %d tokens; purged %d queued",
                  ds.name, charge.used_tokens, charge.purged)
+        ctx.metrics.closes.labels(ds.name, "budget").inc()
         # Only this task knows the crossing: a retry of it would find its sample done and
         # leave the close unrecorded in SQL and its aborts unsent, so it waits out a
         # database or Redis restart here.
@@ -171,6 +177,7 @@ def _aborted(
     if ctx.ledger.is_closed(dataset):
         log.info("%s/%s aborted after its dataset closed: %d partial tokens not kept",
                  dataset, sample_id, completion.completion_tokens)
+        ctx.metrics.discarded.labels(dataset).inc()
         return Outcome.DISCARDED
     message = completion.finish_detail.get("message", "aborted")
     raise TransientError(f"{completion.server}: request aborted by the server ({message})",

@@ -32,6 +32,7 @@ def stop_if_systematic(ctx: WorkerContext, dataset: str, error: str) -> bool:
         return False
     if not ctx.ledger.close(dataset, STOPPED).closed_now:
         return False  # closed already: by its budget, by hand, or by another task's stop
+    ctx.metrics.closes.labels(dataset, STOPPED).inc()
     log.warning("dataset %s stopped: %d prompts in a row failed with: %s. Its other prompts "
                 "stay queued; fix the cause, then `datagen retry %s`",
                 dataset, failed, error, dataset)

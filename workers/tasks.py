@@ -16,6 +16,7 @@ from common.messages import GENERATE_TASK
 from common.settings import Settings
 from workers.context import WorkerContext, get_context
 from workers.liveness import stop_this_worker
+from workers.metrics import Retry
 from workers.pipeline import OUTAGE_WINDOW_S, Outcome, run_sample, wait_out_outage
 from workers.stopping import stop_if_systematic
 
@@ -49,6 +50,7 @@ def register_tasks(app: Celery, settings: Settings) -> Task:
             delay = backoff_s(settings, UNREACHABLE_BACKOFF_STEP)
             log.warning("%s/%s: %s: %s; retry in %.1fs (not counted as an attempt)",
                         dataset, sample_id, type(exc).__name__, exc, delay)
+            get_context(app).metrics.retried(dataset, Retry.UNAVAILABLE)
             send_retry(self, delay)
 
     return generate
@@ -63,6 +65,7 @@ def _attempt(task: Task, ctx: WorkerContext, settings: Settings, dataset: str,
         delay = backoff_s(settings, UNREACHABLE_BACKOFF_STEP)
         log.warning("%s/%s: %s; retry in %.1fs (not counted as an attempt)",
                     dataset, sample_id, exc, delay)
+        ctx.metrics.retried(dataset, Retry.UNREACHABLE)
         send_retry(task, delay)
     except TransientError as exc:
         attempts = ctx.store.record_attempt(dataset, sample_id, str(exc))
@@ -71,6 +74,7 @@ def _attempt(task: Task, ctx: WorkerContext, settings: Settings, dataset: str,
         delay = backoff_s(settings, attempts, exc.delay_s)
         log.info("%s/%s attempt %d failed (%s); retry in %.1fs",
                  dataset, sample_id, attempts, exc, delay)
+        ctx.metrics.retried(dataset, Retry.ERROR)
         send_retry(task, delay)
     except PermanentError as exc:
         ctx.store.record_attempt(dataset, sample_id, str(exc))
@@ -78,6 +82,7 @@ def _attempt(task: Task, ctx: WorkerContext, settings: Settings, dataset: str,
         stop_if_systematic(ctx, dataset, str(exc))
         return failed
     if outcome is Outcome.WAIT:
+        ctx.metrics.retried(dataset, Retry.BUDGET_WAIT)
         send_retry(task, ADMISSION_WAIT_S * random.uniform(1, 1.5))
     return outcome.value
 
@@ -102,4 +107,5 @@ def send_retry(task: Task, countdown: float, window_s: float = OUTAGE_WINDOW_S) 
 def _fail(ctx: WorkerContext, dataset: str, sample_id: str, error: str) -> str:
     log.warning("%s/%s failed: %s", dataset, sample_id, error)
     ctx.store.mark_failed(dataset, sample_id, error)
+    ctx.metrics.failed.labels(dataset).inc()
     return "failed"
