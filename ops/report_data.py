@@ -61,6 +61,8 @@ class DatasetReport:
     # "failed: <error>" or "retrying: <error>" -> prompts per time bucket
     failures: dict[str, list[int]] = field(default_factory=dict)
     retried_done: list[int] = field(default_factory=list)
+    # regenerated turn by turn (--turns all): conversations by how many turns are stored
+    turns_stored: dict[int, int] = field(default_factory=dict)
 
     @property
     def kept_share(self) -> float:
@@ -166,8 +168,8 @@ def _datasets(rows: list[Any], engine: Engine) -> list[DatasetReport]:
 
 
 def build_report(engine: Engine, progress: StepHook = no_progress) -> Report:
-    """Every dataset's figures' numbers, in eight aggregate queries."""
-    steps = 8
+    """Every dataset's figures' numbers, in nine aggregate queries."""
+    steps = 9
     progress(0, steps, "datasets")
     rows = q.dataset_rows(engine)
     progress(1, steps, "result sums")
@@ -186,10 +188,13 @@ def build_report(engine: Engine, progress: StepHook = no_progress) -> Report:
     fails = q.failures(engine, axis, named)
     progress(7, steps, "retries")
     retried = q.retried_done(engine, axis)
+    progress(8, steps, "turns")
+    turns = q.turns_stored(engine)
     for d in found:
+        d.turns_stored = dict(sorted(turns.get(d.name, {}).items()))
         d.bin_width = widths[d.name]
         _fill_results(d, sums.get(d.name), axis, buckets.get(d.name, {}))
         _fill_lengths(d, lengths.get(d.name, {}))
         _fill_failures(d, axis, fails.get(d.name, {}), retried.get(d.name, {}))
-    progress(8, steps, "done")
+    progress(9, steps, "done")
     return Report(axis, found)

@@ -179,15 +179,31 @@ def draw_selection(ax: Axes, names: list[str], selections: list[dict[str, int]])
               bbox_to_anchor=(0.5, -0.25))
 
 
+def draw_turns(ax: Axes, d: DatasetReport) -> None:
+    """Conversations by turns stored: where a budget or a failure ended them short."""
+    counts = d.turns_stored
+    ax.bar(list(counts), list(counts.values()), color=COLORS["stop"], width=0.8)
+    ax.set_title(f"{d.name}: turns stored per conversation")
+    ax.set_xlabel("turns stored")
+    ax.set_ylabel("conversations")
+    ax.set_xticks(list(counts))
+
+
 def dataset_figure(d: DatasetReport, axis: TimeAxis) -> Figure:
+    """Four panels and the selection; a fifth panel, turns per conversation, for a
+    dataset regenerated turn by turn."""
+    turns = bool(d.turns_stored)
     with matplotlib.rc_context(STYLE):
-        fig = Figure(figsize=(11, 8.2), layout="constrained")
-        grid = fig.add_gridspec(3, 2, height_ratios=(3, 3, 1))
+        fig = Figure(figsize=(11, 10.6 if turns else 8.2), layout="constrained")
+        grid = fig.add_gridspec(4 if turns else 3, 2,
+                                height_ratios=(3, 3, 2, 1) if turns else (3, 3, 1))
         draw_budget(fig.add_subplot(grid[0, 0]), d, axis)
         draw_lengths(fig.add_subplot(grid[0, 1]), d)
         draw_throughput(fig.add_subplot(grid[1, 0]), d, axis)
         draw_failures(fig.add_subplot(grid[1, 1]), d, axis)
-        draw_selection(fig.add_subplot(grid[2, :]), [d.name], [d.selection])
+        if turns:
+            draw_turns(fig.add_subplot(grid[2, :]), d)
+        draw_selection(fig.add_subplot(grid[-1, :]), [d.name], [d.selection])
     return fig
 
 

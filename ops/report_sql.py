@@ -23,7 +23,7 @@ from sqlalchemy.ext.compiler import compiles
 from sqlalchemy.sql.compiler import SQLCompiler
 from sqlalchemy.sql.functions import FunctionElement
 
-from common.schema import datasets, prompts, results
+from common.schema import conversations, datasets, prompt_inputs, prompts, results
 
 # Bars across a run's time axis and across a dataset's output lengths: enough to see a
 # shape, few enough to stay readable and to keep the page small.
@@ -113,6 +113,32 @@ def max_new_tokens(engine: Engine) -> dict[str, int]:
         prompts.c.dataset)
     with engine.connect() as conn:
         return {name: int(cap) for name, cap in conn.execute(q)}
+
+
+def turns_stored(engine: Engine) -> dict[str, dict[int, int]]:
+    """Per dataset regenerated turn by turn: conversations by how many of their turns are
+    stored (0 for those with none yet)."""
+    stored = (
+        sa.select(prompt_inputs.c.dataset, prompt_inputs.c.conversation,
+                  sa.func.count().label("n"))
+        .join(results, sa.and_(results.c.dataset == prompt_inputs.c.dataset,
+                               results.c.sample_id == prompt_inputs.c.sample_id))
+        .where(prompt_inputs.c.conversation.is_not(None))
+        .group_by(prompt_inputs.c.dataset, prompt_inputs.c.conversation)
+        .subquery()
+    )
+    by_count = sa.select(stored.c.dataset, stored.c.n, sa.func.count()).group_by(
+        stored.c.dataset, stored.c.n)
+    totals = sa.select(conversations.c.dataset, sa.func.count()).group_by(
+        conversations.c.dataset)
+    out: dict[str, dict[int, int]] = {}
+    with engine.connect() as conn:
+        for name, n, count in conn.execute(by_count):
+            out.setdefault(name, {})[int(n)] = int(count)
+        for name, total in conn.execute(totals):
+            counts = out.setdefault(name, {})
+            counts[0] = int(total) - sum(counts.values())
+    return out
 
 
 _TROUBLED = sa.or_(prompts.c.error.is_not(None), prompts.c.attempts > 0)

@@ -12,7 +12,7 @@ import pytest
 import sqlalchemy as sa
 
 from common.budget import Budget
-from common.rows import NewPrompt, ResultRow
+from common.rows import NewConversation, NewPrompt, ResultRow
 from common.schema import prompts, results
 from common.store import DatasetRow, Store
 from ops.cli import main
@@ -130,6 +130,46 @@ def test_the_numbers_drawn_equal_sql(seeded: Store) -> None:
     assert sum(alpha.retried_done) == 2
     assert (alpha.broken, broken.broken) == (False, True)
     assert broken.length_share == 1.0
+
+
+def _seed_conversations(store: Store) -> None:
+    """talk, regenerated turn by turn: c1 with its 3 turns stored, c2 with 1 of 3, c3 with
+    none of its 2 (its first turn still queued)."""
+    store.upsert_dataset(DatasetRow("talk", Budget(50_000), {}, 4096, "/tok", "h"))
+    turns = {"c1": (3, 3), "c2": (3, 1), "c3": (2, 0)}
+    convs = [NewConversation("talk", c, [{"role": "user", "content": "hi"}], None, n, "t")
+             for c, (n, _) in turns.items()]
+    rows = [NewPrompt("talk", f"{c}#turn{t}", "queued", 5, CAP, "t", [], [1, 2],
+                      conversation=c, turn=t)
+            for c, (_, stored) in turns.items() for t in range(1, max(stored, 1) + 1)]
+    store.insert_prompts(rows, conversations=convs)
+    for c, (_, stored) in turns.items():
+        for t in range(1, stored + 1):
+            store.save_results([ResultRow("talk", f"{c}#turn{t}", f"rid-{c}-{t}", 5, 9, "stop",
+                                          [7] * 9, "x", "sim", "model")])
+
+
+def test_turns_per_conversation_are_counted_and_drawn(db_url: str, tmp_path: Path) -> None:
+    store = Store(db_url)
+    _seed(store)
+    _seed_conversations(store)
+    report = build_report(store.engine)
+    by_name = {d.name: d for d in report.datasets}
+    assert by_name["talk"].turns_stored == {0: 1, 1: 1, 3: 1}
+    assert by_name["alpha"].turns_stored == {}  # not regenerated turn by turn
+    # The same from SQL written here: stored turns per conversation, then counted.
+    stored = _sql(store, "SELECT c.conversation, COUNT(r.id) FROM conversations c "
+                  "LEFT JOIN prompt_inputs i ON i.dataset = c.dataset "
+                  "AND i.conversation = c.conversation LEFT JOIN results r "
+                  "ON r.dataset = i.dataset AND r.sample_id = i.sample_id "
+                  "GROUP BY c.conversation")
+    expected: dict[int, int] = {}
+    for _, n in stored:
+        expected[int(n)] = expected.get(int(n), 0) + 1
+    assert by_name["talk"].turns_stored == expected
+    page = write_report(store, tmp_path / "r").page.read_text(encoding="utf-8")
+    assert "talk: turns stored per conversation" in page
+    assert "alpha: turns stored per conversation" not in page
 
 
 def test_the_page_embeds_the_numbers_and_the_pngs_are_written(
