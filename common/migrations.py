@@ -1,8 +1,9 @@
 """Upgrades of a database written by an earlier version, run once, on first use.
 
-Two so far: prompts' messages and token ids move to ``prompt_inputs`` (common/schema.py
-says why), and ``prompt_inputs`` gets the columns added since (``ADDED_INPUT_COLUMNS``,
-nullable: rows written before hold NULL there). Every process that opens the database
+Two kinds so far: prompts' messages and token ids move to ``prompt_inputs``
+(common/schema.py says why), and tables get the columns added since
+(``ADDED_INPUT_COLUMNS`` and ``ADDED_COLUMNS``: nullable, or with a default, which rows
+written before then hold). Every process that opens the database
 checks; the first to find an old layout upgrades it under the database's write lock, in
 one transaction, and the others, waiting on that lock, find it done. A crash halfway
 leaves the old layout.
@@ -17,7 +18,7 @@ from typing import Any
 import sqlalchemy as sa
 
 from common.errors import ConfigError, DatagenError
-from common.schema import ADDED_INPUT_COLUMNS, INPUT_COLUMNS, prompt_inputs
+from common.schema import ADDED_COLUMNS, ADDED_INPUT_COLUMNS, INPUT_COLUMNS, metadata
 
 log = logging.getLogger("datagen.migrations")
 
@@ -41,10 +42,11 @@ def _has_old_layout(cursor: Any, dialect: str) -> bool:
     return bool(set(INPUT_COLUMNS) & _columns(cursor, dialect, "prompts"))
 
 
-def _missing_columns(cursor: Any, dialect: str) -> list[str]:
-    """Columns added to prompt_inputs since it was created that it lacks."""
-    have = _columns(cursor, dialect, "prompt_inputs")
-    return [c for c in ADDED_INPUT_COLUMNS if c not in have]
+def _missing_columns(cursor: Any, dialect: str) -> list[tuple[str, str]]:
+    """(table, column) of the columns added since the tables were created that they lack."""
+    added = [("prompt_inputs", c) for c in ADDED_INPUT_COLUMNS] + list(ADDED_COLUMNS)
+    have = {table: _columns(cursor, dialect, table) for table in dict(added)}
+    return [(table, c) for table, c in added if c not in have[table]]
 
 
 def _needs_upgrade(cursor: Any, dialect: str) -> bool:
@@ -68,11 +70,11 @@ def _apply(cursor: Any, dialect: Any, url: str) -> None:
                 f"be upgraded (ALTER TABLE DROP COLUMN); this Python has "
                 f"{sqlite3.sqlite_version}")
         _move(cursor, url)
-    for name in _missing_columns(cursor, dialect.name):
-        log.warning("%s: adding column %s to the prompt_inputs table, once (a database "
-                    "written by an earlier datagen)", url, name)
-        kind = prompt_inputs.c[name].type.compile(dialect=dialect)
-        cursor.execute(f"ALTER TABLE prompt_inputs ADD COLUMN {name} {kind}")
+    for table, name in _missing_columns(cursor, dialect.name):
+        log.warning("%s: adding column %s to the %s table, once (a database written by an "
+                    "earlier datagen)", url, name, table)
+        column = sa.schema.CreateColumn(metadata.tables[table].c[name]).compile(dialect=dialect)
+        cursor.execute(f"ALTER TABLE {table} ADD COLUMN {column}")
 
 
 def _sqlite(raw: Any, url: str, dialect: Any) -> None:
@@ -116,7 +118,7 @@ def raw_errors(dialect: str) -> type[Exception]:
 
 def upgrade(engine: sa.Engine) -> None:
     """Bring a database written by an earlier version to the current schema; returns at
-    once if it is current, after one look at prompts' and prompt_inputs' columns."""
+    once if it is current, after one look at the tables' columns."""
     dialect = engine.dialect.name
     pooled = engine.raw_connection()
     try:

@@ -24,6 +24,7 @@ class NewPrompt:
     input_ids: list[int]
     error: str | None = None
     tools: list[dict[str, Any]] | None = None  # the line's function schemas, as read
+    rank: int | None = None  # its place in the dataset's publishing order (common/order.py)
 
 
 @dataclass(frozen=True)

@@ -6,7 +6,7 @@ import dataclasses
 import functools
 import uuid
 from collections.abc import Iterable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
 
@@ -15,6 +15,7 @@ import sqlalchemy as sa
 from common.budget import Budget
 from common.db import insert_ignore, make_engine
 from common.errors import UnknownDatasetError
+from common.order import Order
 from common.rows import NewPrompt, ResultRow
 from common.schema import datasets, meta, prompt_inputs, prompts, results, utcnow
 from common.settings import DEFAULT_DB_CONNECTIONS
@@ -35,6 +36,7 @@ class DatasetRow:
     closed_at: datetime | None = None
     used_at_close: int | None = None
     stamp: str = ""
+    order: Order = field(default_factory=Order)
 
 
 @dataclass(frozen=True)
@@ -73,6 +75,7 @@ def _dataset_row(r: sa.Row[Any]) -> DatasetRow:
         closed_at=as_utc(r.closed_at),
         used_at_close=r.used_at_close,
         stamp=r.stamp,
+        order=Order(r.sample_order, r.seed),
     )
 
 
@@ -200,6 +203,8 @@ class Store:
             "tokenizer": row.tokenizer,
             "template_hash": row.template_hash,
             "reasoning_open": row.reasoning_open,
+            "sample_order": row.order.kind,
+            "seed": row.order.seed,
             "updated_at": utcnow(),
         }
         with self.engine.begin() as conn:
@@ -341,9 +346,10 @@ class Store:
     def sample_ids(
         self, dataset: str, state: str, updated_before: datetime | None = None
     ) -> list[str]:
+        """The dataset's prompts in ``state``, in its publishing order (common/order.py)."""
         q = sa.select(prompts.c.sample_id).where(
             prompts.c.dataset == dataset, prompts.c.state == state
-        )
+        ).order_by(prompts.c.rank.nulls_first(), prompts.c.sample_id)
         if updated_before is not None:
             q = q.where(prompts.c.updated_at < updated_before)
         with self.engine.connect() as conn:

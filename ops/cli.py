@@ -20,6 +20,7 @@ from ops.argtypes import Parser, whole
 
 
 def _add_enqueue(sub: argparse._SubParsersAction) -> None:
+    from common.order import MAX_SEED, ORDERS
     from producer.plan import DEFAULT_SAMPLING
 
     p = sub.add_parser("enqueue", help="template, store and enqueue prompt files")
@@ -48,6 +49,13 @@ def _add_enqueue(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--policy", choices=("drain", "abort", "exact"), default="drain",
                    help="requests in flight when a dataset closes: drain keeps them, abort "
                    "drops them, exact cuts to the budget (default: %(default)s)")
+    p.add_argument("--order", choices=ORDERS, default=None,
+                   help="publishing order of each dataset's prompts: shuffle (seeded random, "
+                   "so a budget keeps a uniform random subset) or file (the head of the file "
+                   "first) (default: the dataset's stored order, else shuffle)")
+    p.add_argument("--seed", type=whole(0, MAX_SEED), default=None,
+                   help="seed of the shuffle (default: the dataset's stored seed, else "
+                   "DATAGEN_DEFAULT_SEED, 0)")
     p.add_argument("-q", "--quiet", action="store_true",
                    help="no progress bar (default: a bar on a terminal)")
 

@@ -84,6 +84,9 @@ class DatasetStatus:
     last_error: str | None = None
     last_error_count: int = 0
     stop_error: str | None = None
+    # Its publishing order (common/order.py): "shuffle" with its seed, or "file" (seed null).
+    order: str = "shuffle"
+    seed: int | None = 0
 
 
 @dataclass(frozen=True)
@@ -167,6 +170,8 @@ def _row(ds: DatasetRow, counts: dict[str, int], led: LedgerState, sums: ResultS
         last_error=retry.last_error,
         last_error_count=retry.last_error_samples,
         stop_error=stop_error if state == "stopped" else None,
+        order=ds.order.kind,
+        seed=ds.order.seed,
     )
 
 

@@ -1,5 +1,9 @@
 """``datagen enqueue``: read → template → tokenize → store → publish, datasets interleaved.
 
+Each dataset's prompts go through in its publishing order (common/order.py): shuffled, the
+dataset is read whole first, its ranks sorted, and then stored and published chunk by
+chunk in rank order; in file order it streams as it is read.
+
 Re-running on the same files enqueues nothing that is done, failed, skipped or still
 queued in Redis (waiting, or unacked by a worker); a prompt stored as queued whose
 message Redis no longer holds is enqueued again.
@@ -18,6 +22,7 @@ from celery import Celery
 from common.audit import queued_in_redis
 from common.errors import ConfigError
 from common.ledger import Ledger
+from common.order import Order
 from common.publish import Publisher
 from common.reconcile import reconcile_dataset
 from common.rows import NewPrompt
@@ -107,11 +112,13 @@ class Enqueuer:
         self._sent: deque[Future[None]] = deque()
         self._failed = False
         self._analyzed = False
+        self._orders: dict[str, Order] = {}
 
     def run(self, plans: list[DatasetPlan]) -> list[DatasetSummary]:
         for plan in plans:  # all of them before the first is stored
             check_sampling({**plan.sampling, "max_new_tokens": plan.max_new_tokens},
                            name=f"dataset {plan.name}: {{}}".format)
+        self._orders = {plan.name: self._order(plan) for plan in plans}
         self._tokenizing = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenize")
         self._writing = ThreadPoolExecutor(max_workers=1, thread_name_prefix="store")
         self._sending = Sender(self.app, in_child=self.publish_in_child)
@@ -138,6 +145,14 @@ class Enqueuer:
         self.publisher.announce([p.name for p in plans])
         return summaries
 
+    def _order(self, plan: DatasetPlan) -> Order:
+        """The dataset's publishing order: the stored one where the run does not ask for
+        one; ConfigError where it asks for another and the dataset holds prompts."""
+        if plan.name not in self.store.dataset_names():
+            return plan.order.resolve(plan.name, None, has_prompts=False)
+        stored = self.store.dataset(plan.name).order
+        return plan.order.resolve(plan.name, stored, bool(self.store.prompt_counts(plan.name)))
+
     def _register(self, plan: DatasetPlan) -> DatasetRow:
         row = DatasetRow(
             name=plan.name,
@@ -147,6 +162,7 @@ class Enqueuer:
             tokenizer=self.templater.name,
             template_hash=self.templater.template_hash,
             reasoning_open=self.templater.reasoning_open,
+            order=self._orders[plan.name],
         )
         if plan.name in self.store.dataset_names():
             old = self.store.dataset(plan.name)
@@ -166,9 +182,10 @@ class Enqueuer:
         states = self.store.prompt_states(plan.name)
         in_redis = queued_in_redis(self.ledger.redis, plan.name)
         report = ReadReport(dataset=plan.name, files=[str(f) for f in plan.files])
-        records = read_dataset(plan.name, plan.files, report)
-        chunks = iter(lambda: list(itertools.islice(records, CHUNK)), [])
-        for chunk in chunks:
+        ranked = ds.order.arrange(read_dataset(plan.name, plan.files, report), _sample_id)
+        for pairs in iter(lambda: list(itertools.islice(ranked, CHUNK)), []):
+            chunk = [record for _, record in pairs]
+            ranks = {record.sample_id: rank for rank, record in pairs}
             # Rendered here, so the tokenizing thread only runs Rust (without the GIL) and
             # the next chunk renders while this one is tokenized.
             fresh, texts = self._render([r for r in chunk if r.sample_id not in states],
@@ -176,7 +193,7 @@ class Enqueuer:
             encoded = self._tokenizing.submit(self.templater.tokenize, texts)
             lost = self._settle(chunk, states, in_redis, summary)
             self._written.append(self._writing.submit(
-                self._write, plan, ds.stamp, summary, len(chunk), fresh, encoded, lost
+                self._write, plan, ds.stamp, summary, ranks, fresh, encoded, lost
             ))
             self._collect(PIPELINE_DEPTH, SENDING_DEPTH)
             yield True
@@ -213,8 +230,9 @@ class Enqueuer:
             self._sent.popleft().result()
 
     def _write(
-        self, plan: DatasetPlan, stamp: str, summary: DatasetSummary, read: int,
-        fresh: list[PromptRecord], encoded: Future[list[list[int]]], lost: list[str],
+        self, plan: DatasetPlan, stamp: str, summary: DatasetSummary,
+        ranks: dict[str, int], fresh: list[PromptRecord],
+        encoded: Future[list[list[int]]], lost: list[str],
     ) -> _Written:
         """Store a chunk's new prompts, then hand them and the ones Redis lost to the
         publishing process."""
@@ -223,16 +241,17 @@ class Enqueuer:
             # error, as it did when it wrote in its own thread.
             raise _Abandoned()
         try:
-            return self._store_and_publish(plan, stamp, summary, read, fresh, encoded, lost)
+            return self._store_and_publish(plan, stamp, summary, ranks, fresh, encoded, lost)
         except BaseException:
             self._failed = True
             raise
 
     def _store_and_publish(
-        self, plan: DatasetPlan, stamp: str, summary: DatasetSummary, read: int,
-        fresh: list[PromptRecord], encoded: Future[list[list[int]]], lost: list[str],
+        self, plan: DatasetPlan, stamp: str, summary: DatasetSummary,
+        ranks: dict[str, int], fresh: list[PromptRecord],
+        encoded: Future[list[list[int]]], lost: list[str],
     ) -> _Written:
-        rows = self._prompt_rows(plan, fresh, encoded.result())
+        rows = self._prompt_rows(plan, fresh, encoded.result(), ranks)
         self.store.insert_prompts(rows)
         if rows and not self._analyzed:
             # Workers start on the first chunk's messages: the planner's statistics must
@@ -240,7 +259,10 @@ class Enqueuer:
             self.store.refresh_statistics()
             self._analyzed = True
         new = [row.sample_id for row in rows if row.state == "queued"]
-        to_send, skipped = lost + new, len(rows) - len(new)
+        read, skipped = len(ranks), len(rows) - len(new)
+        # The chunk is in publishing order: its messages go out in that order too.
+        sendable = {*lost, *new}
+        to_send = [sid for sid in ranks if sid in sendable]
         if not to_send or self.ledger.is_closed(plan.name):
             return _Written(summary, read, 0, skipped)
         sent = self._sending.submit(plan.name, stamp, to_send)
@@ -268,7 +290,8 @@ class Enqueuer:
         return to_send
 
     def _prompt_rows(
-        self, plan: DatasetPlan, fresh: list[PromptRecord], ids: list[list[int]]
+        self, plan: DatasetPlan, fresh: list[PromptRecord], ids: list[list[int]],
+        ranks: dict[str, int],
     ) -> list[NewPrompt]:
         max_seq = self.limits.max_seq_len
         rows = []
@@ -290,5 +313,10 @@ class Enqueuer:
                 source=record.source,
                 error=error,
                 tools=record.tools,
+                rank=ranks[record.sample_id],
             ))
         return rows
+
+
+def _sample_id(record: PromptRecord) -> str:
+    return record.sample_id

@@ -1,4 +1,5 @@
-"""What to enqueue: per dataset its files, budget and sampling, from flags or a manifest."""
+"""What to enqueue: per dataset its files, budget, sampling and order, from flags or a
+manifest."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from typing import Any
 from common.budget import Budget, parse_budget_tokens
 from common.errors import ConfigError
 from common.names import validate_dataset_name
+from common.order import OrderRequest, check_order, check_seed
 from common.sampling_rules import SAMPLING_KEYS, check_sampling
 from producer.reader import discover
 
@@ -24,19 +26,23 @@ class DatasetPlan:
     budget: Budget = field(default_factory=Budget)
     sampling: dict[str, Any] = field(default_factory=lambda: dict(DEFAULT_SAMPLING))
     max_new_tokens: int = 16384
+    order: OrderRequest = field(default_factory=OrderRequest)
 
 
 def plans_from_paths(
-    paths: list[str], budget: Budget, sampling: dict[str, Any], max_new_tokens: int
+    paths: list[str], budget: Budget, sampling: dict[str, Any], max_new_tokens: int,
+    order: OrderRequest | None = None,
 ) -> list[DatasetPlan]:
     return [
-        DatasetPlan(name, tuple(files), budget, dict(sampling), max_new_tokens)
+        DatasetPlan(name, tuple(files), budget, dict(sampling), max_new_tokens,
+                    order or OrderRequest())
         for name, files in discover(paths).items()
     ]
 
 
 def plans_from_manifest(
-    path: str, budget: Budget, sampling: dict[str, Any], max_new_tokens: int
+    path: str, budget: Budget, sampling: dict[str, Any], max_new_tokens: int,
+    order: OrderRequest | None = None,
 ) -> list[DatasetPlan]:
     """A TOML manifest: one ``[datasets.NAME]`` table per dataset.
 
@@ -47,6 +53,8 @@ def plans_from_manifest(
         basis = "output"                 # output | total
         max_new_tokens = 16384
         temperature = 0.6                # also top_p, top_k, min_p
+        order = "shuffle"                # shuffle | file
+        seed = 7
     """
     source = Path(path)
     try:
@@ -57,13 +65,15 @@ def plans_from_manifest(
     if not isinstance(tables, dict) or not tables:
         raise ConfigError(f"manifest {path}: no [datasets.NAME] tables")
     return [
-        _plan_from_table(source, name, spec, budget, sampling, max_new_tokens)
+        _plan_from_table(source, name, spec, budget, sampling, max_new_tokens,
+                         order or OrderRequest())
         for name, spec in tables.items()
     ]
 
 
 def _plan_from_table(
-    source: Path, name: str, spec: Any, budget: Budget, sampling: dict[str, Any], max_new: int
+    source: Path, name: str, spec: Any, budget: Budget, sampling: dict[str, Any], max_new: int,
+    order: OrderRequest,
 ) -> DatasetPlan:
     where = f"manifest {source} [datasets.{name}]"
     validate_dataset_name(name, source=where)
@@ -74,7 +84,7 @@ def _plan_from_table(
         if not f.is_file():
             raise ConfigError(f"{where}: file {f} does not exist")
     unknown = set(spec) - {"files", "budget_tokens", "policy", "basis", "max_new_tokens",
-                           *SAMPLING_KEYS}
+                           "order", "seed", *SAMPLING_KEYS}
     if unknown:
         raise ConfigError(f"{where}: unknown keys {', '.join(sorted(unknown))}")
     try:
@@ -90,4 +100,12 @@ def _plan_from_table(
     max_new_tokens = spec.get("max_new_tokens", max_new)
     # Refused here, before anything is stored: SGLang would refuse every sample.
     check_sampling({**merged, "max_new_tokens": max_new_tokens}, name=lambda k: f"{where}: {k}")
-    return DatasetPlan(name, tuple(files), terms, merged, max_new_tokens)
+    return DatasetPlan(name, tuple(files), terms, merged, max_new_tokens,
+                       _order_from_table(where, spec, order))
+
+
+def _order_from_table(where: str, spec: dict[str, Any], order: OrderRequest) -> OrderRequest:
+    """The table's order and seed over the flags' ones."""
+    kind = check_order(spec["order"], f"{where}: order") if "order" in spec else order.kind
+    seed = check_seed(spec["seed"], f"{where}: seed") if "seed" in spec else order.seed
+    return replace(order, kind=kind, seed=seed)
