@@ -199,8 +199,8 @@ def test_a_reenqueue_after_a_redis_flush_keeps_going_in_the_same_order(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
     n = 1000
-    path = write_sorted(tmp_path, "flushed", n)
-    assert enqueue(path, "--seed", "3", "--budget-tokens", str(n * MEAN // 5)) == 0
+    path, budget = write_sorted(tmp_path, "flushed", n), ("--budget-tokens", str(n * MEAN // 5))
+    assert enqueue(path, "--seed", "3", *budget) == 0
     store = Store(env.database_url)
     ordered = rank_order(store, "flushed")
     with running_worker(env, concurrency=4):
@@ -208,10 +208,10 @@ def test_a_reenqueue_after_a_redis_flush_keeps_going_in_the_same_order(
     redis_client.flushdb()  # a Redis restarted without its data: queues and ledger gone
 
     capsys.readouterr()
-    assert enqueue(path, "--seed", "4") == 2  # another seed would re-draw the subset
+    assert enqueue(path, "--seed", "4", *budget) == 2  # it would re-draw the subset
     assert "shuffled with seed 3" in capsys.readouterr().err
     assert delivery_order(redis_client, "flushed") == []
-    assert enqueue(path) == 0  # the stored seed, without saying it
+    assert enqueue(path, *budget) == 0  # the stored seed, without saying it
     queued = rank_order(store, "flushed", "queued")
     assert delivery_order(redis_client, "flushed") == queued
     assert queued == [s for s in ordered if s in set(queued)]
