@@ -60,6 +60,15 @@ def enqueue(path: Path, *flags: str) -> int:
     return main(["enqueue", str(path), "-q", "--max-new-tokens", "512", *flags])
 
 
+def load(env: Settings, tmp_path: Path, name: str, n: int,
+         *flags: str) -> tuple[Path, Store, list[str]]:
+    """Write and enqueue a sorted dataset: its file, its store and its rank order."""
+    path = write_sorted(tmp_path, name, n)
+    assert enqueue(path, *flags) == 0
+    store = Store(env.database_url)
+    return path, store, rank_order(store, name)
+
+
 def delivery_order(client: redis.Redis, name: str) -> list[str]:
     """The dataset's queued messages' sample ids in the order workers will take them
     (kombu pushes on the left and pops on the right)."""
@@ -120,10 +129,8 @@ def test_a_budget_keeps_a_uniform_random_subset_of_a_sorted_dataset(
     env: Settings, redis_client: redis.Redis, tmp_path: Path,
     capsys: pytest.CaptureFixture[str],
 ) -> None:
-    n, budget = 2000, 2000 * MEAN // 5
-    assert enqueue(write_sorted(tmp_path, "sorted", n), "--budget-tokens", str(budget)) == 0
-    store = Store(env.database_url)
-    ordered = rank_order(store, "sorted")
+    n = 2000
+    _, _, ordered = load(env, tmp_path, "sorted", n, "--budget-tokens", str(n * MEAN // 5))
     assert delivery_order(redis_client, "sorted") == ordered
     assert ordered == [sid for _, sid in Order("shuffle", 0).arrange(ordered, str)]
     capsys.readouterr()
@@ -198,11 +205,8 @@ def test_a_reenqueue_after_a_redis_flush_keeps_going_in_the_same_order(
     env: Settings, redis_client: redis.Redis, tmp_path: Path,
     capsys: pytest.CaptureFixture[str],
 ) -> None:
-    n = 1000
-    path, budget = write_sorted(tmp_path, "flushed", n), ("--budget-tokens", str(n * MEAN // 5))
-    assert enqueue(path, "--seed", "3", *budget) == 0
-    store = Store(env.database_url)
-    ordered = rank_order(store, "flushed")
+    n, budget = 1000, ("--budget-tokens", str(1000 * MEAN // 5))
+    path, store, ordered = load(env, tmp_path, "flushed", n, "--seed", "3", *budget)
     with running_worker(env, concurrency=4):
         wait_for(lambda: store.prompt_counts("flushed").get("done", 0) >= 50, 60, "50 done")
     redis_client.flushdb()  # a Redis restarted without its data: queues and ledger gone
@@ -224,8 +228,7 @@ def test_a_reenqueue_after_a_redis_flush_keeps_going_in_the_same_order(
 def test_the_workers_rebuild_and_sweep_publish_in_rank_order(
     env: Settings, redis_client: redis.Redis, tmp_path: Path,
 ) -> None:
-    assert enqueue(write_sorted(tmp_path, "lost", 500)) == 0
-    store = Store(env.database_url)
+    _, store, _ = load(env, tmp_path, "lost", 500)
     with store.engine.begin() as conn:  # some done: the rest must still go in order
         conn.execute(prompts.update().where(prompts.c.sample_id.like("lost-000%"))
                      .values(state="done"))
@@ -249,9 +252,7 @@ def test_reopen_with_twice_the_budget_keeps_a_superset(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
     n, budget = 1000, 1000 * MEAN // 10
-    assert enqueue(write_sorted(tmp_path, "grow", n), "--budget-tokens", str(budget)) == 0
-    store = Store(env.database_url)
-    ordered = rank_order(store, "grow")
+    _, store, ordered = load(env, tmp_path, "grow", n, "--budget-tokens", str(budget))
     smaller = run_to_close(env, "grow", concurrency=8)
     assert main(["reopen", "grow", "--budget-tokens", str(2 * budget)]) == 0
     queued = rank_order(store, "grow", "queued")
@@ -266,9 +267,7 @@ def test_retry_sends_failed_prompts_in_rank_order(
     env: Settings, redis_client: redis.Redis, tmp_path: Path,
     capsys: pytest.CaptureFixture[str],
 ) -> None:
-    assert enqueue(write_sorted(tmp_path, "again", 200)) == 0
-    store = Store(env.database_url)
-    ordered = rank_order(store, "again")
+    _, store, ordered = load(env, tmp_path, "again", 200)
     failing = ordered[::3]
     for sid in reversed(failing):
         store.mark_failed("again", sid, "timed out")
