@@ -22,7 +22,7 @@ from celery import Celery
 from common.audit import queued_in_redis
 from common.errors import ConfigError
 from common.ledger import Ledger
-from common.order import Order
+from common.order import Order, rank_key
 from common.publish import Publisher
 from common.reconcile import reconcile_dataset
 from common.rows import NewPrompt
@@ -193,7 +193,7 @@ class Enqueuer:
             encoded = self._tokenizing.submit(self.templater.tokenize, texts)
             lost = self._settle(chunk, states, in_redis, summary)
             self._written.append(self._writing.submit(
-                self._write, plan, ds.stamp, summary, ranks, fresh, encoded, lost
+                self._write, plan, ds.stamp, summary, len(chunk), fresh, encoded, lost, ranks
             ))
             self._collect(PIPELINE_DEPTH, SENDING_DEPTH)
             yield True
@@ -230,26 +230,27 @@ class Enqueuer:
             self._sent.popleft().result()
 
     def _write(
-        self, plan: DatasetPlan, stamp: str, summary: DatasetSummary,
-        ranks: dict[str, int], fresh: list[PromptRecord],
-        encoded: Future[list[list[int]]], lost: list[str],
+        self, plan: DatasetPlan, stamp: str, summary: DatasetSummary, read: int,
+        fresh: list[PromptRecord], encoded: Future[list[list[int]]], lost: list[str],
+        ranks: dict[str, int] | None = None,
     ) -> _Written:
         """Store a chunk's new prompts, then hand them and the ones Redis lost to the
-        publishing process."""
+        publishing process, in publishing order (``ranks``: the chunk's)."""
         if self._failed:
             # Chunks queued behind a failed one are not written: the run stops at the first
             # error, as it did when it wrote in its own thread.
             raise _Abandoned()
         try:
-            return self._store_and_publish(plan, stamp, summary, ranks, fresh, encoded, lost)
+            return self._store_and_publish(plan, stamp, summary, read, fresh, encoded, lost,
+                                           ranks or {})
         except BaseException:
             self._failed = True
             raise
 
     def _store_and_publish(
-        self, plan: DatasetPlan, stamp: str, summary: DatasetSummary,
-        ranks: dict[str, int], fresh: list[PromptRecord],
-        encoded: Future[list[list[int]]], lost: list[str],
+        self, plan: DatasetPlan, stamp: str, summary: DatasetSummary, read: int,
+        fresh: list[PromptRecord], encoded: Future[list[list[int]]], lost: list[str],
+        ranks: dict[str, int],
     ) -> _Written:
         rows = self._prompt_rows(plan, fresh, encoded.result(), ranks)
         self.store.insert_prompts(rows)
@@ -259,10 +260,8 @@ class Enqueuer:
             self.store.refresh_statistics()
             self._analyzed = True
         new = [row.sample_id for row in rows if row.state == "queued"]
-        read, skipped = len(ranks), len(rows) - len(new)
-        # The chunk is in publishing order: its messages go out in that order too.
-        sendable = {*lost, *new}
-        to_send = [sid for sid in ranks if sid in sendable]
+        skipped = len(rows) - len(new)
+        to_send = sorted({*lost, *new}, key=lambda sid: rank_key(ranks.get(sid), sid))
         if not to_send or self.ledger.is_closed(plan.name):
             return _Written(summary, read, 0, skipped)
         sent = self._sending.submit(plan.name, stamp, to_send)
@@ -313,7 +312,7 @@ class Enqueuer:
                 source=record.source,
                 error=error,
                 tools=record.tools,
-                rank=ranks[record.sample_id],
+                rank=ranks.get(record.sample_id),
             ))
         return rows
 
