@@ -3,12 +3,14 @@
 88,088 prompts over 10 datasets (``--quick``: 8,000), read + template + tokenize + store
 + enqueue by the real ``Enqueuer`` in this process and its publishing child (tokenizer
 loaded once, beforehand); CPU counts both processes.
-Median of 3 runs, each on an emptied Redis DB and a new SQLite file. ``--profile`` adds a
+Median of 3 runs, each on an emptied Redis DB and a new SQLite file, in the default
+publishing order (shuffle); ``--orders shuffle,file`` alternates both orders run by run
+and sets their rates and CPU seconds side by side. ``--profile`` adds a
 run under py-spy; the stage breakdown and the candidate fixes, each measured in
 isolation, come from ``bench.producer_stages``.
 Target ≥ 5,000 prompts/s.
 
-    python -m bench.producer_rate [--quick] [--profile] [--no-stages]
+    python -m bench.producer_rate [--quick] [--profile] [--no-stages] [--orders O,O]
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from bench.harness import (
 )
 from bench.report import Summary, emit, table, verdict
 from bench.synth import enqueue, prompt_files, templater
+from common.order import OrderKind, check_order
 
 TARGET = 5000.0
 PRODUCER_RULES: tuple[tuple[str, str], ...] = (
@@ -52,7 +55,10 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--dbs", default="sqlite")
     p.add_argument("--profile", action="store_true", help="one more run under py-spy")
     p.add_argument("--no-stages", action="store_true", help="skip the stage breakdown")
+    p.add_argument("--orders", default="shuffle",
+                   help="publishing orders to run, alternating (default: %(default)s)")
     args = p.parse_args(argv)
+    args.orders = [check_order(o) for o in args.orders.split(",") if o]
     args.prompts = args.prompts or (8000 if args.quick else 88_088)
     return args
 
@@ -65,16 +71,16 @@ def cpu_s() -> float:
     return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
 
 
-def one_run(kind: str, folder: Any) -> dict[str, float]:
+def one_run(kind: str, folder: Any, order: OrderKind = "shuffle") -> dict[str, float]:
     fresh_redis()
     settings = bench_settings(fresh_db(kind, "producer"), "http://127.0.0.1:9")
     t0, cpu0 = time.perf_counter(), cpu_s()
-    summaries = enqueue(settings, folder, max_new_tokens=16384)
+    summaries = enqueue(settings, folder, max_new_tokens=16384, order=order)
     wall, cpu = time.perf_counter() - t0, cpu_s() - cpu0
     read = sum(s.read for s in summaries)
     enqueued = sum(s.enqueued for s in summaries)
-    return {"rate": read / wall, "wall_s": wall, "cores": cpu / wall, "read": read,
-            "enqueued": enqueued}
+    return {"rate": read / wall, "wall_s": wall, "cores": cpu / wall, "cpu_s": cpu,
+            "read": read, "enqueued": enqueued}
 
 
 def profiled_run(kind: str, folder: Any) -> profiling.Profile:
@@ -104,23 +110,28 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     t0 = time.perf_counter()
     templater()
     load_s = time.perf_counter() - t0
-    runs: dict[str, list[dict[str, float]]] = {}
+    runs: dict[tuple[str, str], list[dict[str, float]]] = {}
     for _ in range(args.reps):
         for kind in (k for k in args.dbs.split(",") if k):
-            runs.setdefault(kind, []).append(one_run(kind, folder))
+            for order in args.orders:
+                runs.setdefault((kind, order), []).append(one_run(kind, folder, order))
     rows: list[tuple[Any, ...]] = []
     figures: dict[str, Any] = {"tokenizer_load_s": load_s}
-    for kind, rs in runs.items():
+    for (kind, order), rs in runs.items():
         rate = Summary.of([r["rate"] for r in rs])
         cores = Summary.of([r["cores"] for r in rs])
         wall = Summary.of([r["wall_s"] for r in rs])
-        rows.append((kind, f"{int(rs[0]['read']):,}", f"{int(rs[0]['enqueued']):,}", rate.fmt(0),
-                     wall.fmt(1), cores.fmt(2), verdict(rate.median, TARGET)))
-        figures[kind] = {"rate": rate, "cores": cores, "wall_s": wall, "prompts": rs[0]["read"]}
+        cpu = Summary.of([r["cpu_s"] for r in rs])
+        rows.append((kind, order, f"{int(rs[0]['read']):,}", f"{int(rs[0]['enqueued']):,}",
+                     rate.fmt(0), wall.fmt(1), cores.fmt(2), cpu.fmt(1),
+                     verdict(rate.median, TARGET)))
+        key = kind if order == "shuffle" else f"{kind}_{order}"
+        figures[key] = {"rate": rate, "cores": cores, "wall_s": wall, "cpu_s": cpu,
+                        "prompts": rs[0]["read"]}
     table(f"producer: {args.prompts:,} prompts over 10 datasets, {args.reps} runs "
           f"(median [min-max]); tokenizer load {load_s:.2f} s not included",
-          ["db", "read", "enqueued", "prompts/s", "wall s", "CPU cores used",
-           f"target >= {TARGET:,.0f}/s"], rows)
+          ["db", "order", "read", "enqueued", "prompts/s", "wall s", "CPU cores used",
+           "CPU s", f"target >= {TARGET:,.0f}/s"], rows)
     if args.profile:
         figures["profile"] = show_profile(profiled_run(args.dbs.split(",")[0], folder))
     if not args.no_stages:

@@ -20,6 +20,7 @@ from bench.harness import WORKDIR
 from common.budget import Budget
 from common.celery_app import make_celery
 from common.ledger import Ledger
+from common.order import OrderKind, OrderRequest
 from common.settings import Settings
 from common.store import Store
 from producer.enqueue import DatasetSummary, Enqueuer, Limits
@@ -130,12 +131,14 @@ def templater() -> ChatTemplater:
 
 
 def enqueue(settings: Settings, folder: Path, budget: Budget | None = None,
-            max_new_tokens: int = 1024, max_seq_len: int = 32768) -> list[DatasetSummary]:
-    """``datagen enqueue FOLDER`` in this process (the tokenizer is loaded once per process)."""
+            max_new_tokens: int = 1024, max_seq_len: int = 32768,
+            order: OrderKind | None = None) -> list[DatasetSummary]:
+    """``datagen enqueue FOLDER`` in this process (the tokenizer is loaded once per process);
+    ``order``: its ``--order`` (default shuffle)."""
     import redis
 
     plans = plans_from_paths([str(folder)], budget or Budget(), dict(DEFAULT_SAMPLING),
-                             max_new_tokens)
+                             max_new_tokens, order=OrderRequest(order))
     store = Store(settings.database_url)
     ledger = Ledger(redis.Redis.from_url(settings.redis_url))
     app = make_celery(settings)

@@ -49,12 +49,17 @@ def queued_in_redis(client: redis.Redis, dataset: str) -> set[str]:
     return found
 
 
+def not_in(sample_ids: list[str], held: set[str]) -> list[str]:
+    """``sample_ids`` that ``held`` lacks, in their order (the publishing order)."""
+    return [sid for sid in sample_ids if sid not in held]
+
+
 def requeue_lost(
     store: Store, client: redis.Redis, publisher: Publisher,
     quiet_for_s: float = Settings.sweep_quiet_s,
 ) -> dict[str, int]:
     """Rebuild every ledger from SQL, then publish again every open dataset's prompts that
-    SQL holds as queued and Redis lost.
+    SQL holds as queued and Redis lost, in the dataset's publishing order.
 
     Only prompts untouched for ``quiet_for_s`` count, so one the producer has stored but
     not yet published is never mistaken for lost. Duplicates are harmless: the ledger and
@@ -71,7 +76,7 @@ def requeue_lost(
         if ds.state == "closed" or ledger.is_closed(name):
             continue
         queued = store.sample_ids(ds.name, "queued", updated_before=cutoff)
-        lost = sorted(set(queued) - queued_in_redis(client, ds.name)) if queued else []
+        lost = not_in(queued, queued_in_redis(client, ds.name)) if queued else []
         if lost:
             publisher.publish_all(ds.name, ds.stamp, lost)
             requeued[ds.name] = len(lost)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import sqlalchemy as sa
 
+from common.order import rank_key
 from common.schema import datasets, prompts, results, utcnow
 from common.store import Store
 
@@ -37,7 +38,8 @@ def streak(store: Store, dataset: str, error: str) -> int:
 
 def requeue_failed(store: Store, dataset: str, containing: str | None = None) -> list[str]:
     """Set the dataset's failed prompts (those whose error contains ``containing``, any
-    case) back to queued with no attempts; returns their sample ids.
+    case) back to queued with no attempts; returns their sample ids, in the dataset's
+    publishing order.
 
     One UPDATE ... RETURNING: a prompt is returned by one call only, however many run at
     once, so two retries never send it twice.
@@ -48,9 +50,10 @@ def requeue_failed(store: Store, dataset: str, containing: str | None = None) ->
                                                               autoescape=True))
     q = (prompts.update().where(*where)
          .values(state="queued", attempts=0, error=None, updated_at=utcnow())
-         .returning(prompts.c.sample_id))
+         .returning(prompts.c.sample_id, prompts.c.rank))
     with store.engine.begin() as conn:
-        return list(conn.scalars(q))
+        back = conn.execute(q).all()
+    return [sid for sid, _ in sorted(back, key=lambda r: rank_key(r.rank, r.sample_id))]
 
 
 def commonest_error(store: Store, dataset: str) -> tuple[str, int] | None:

@@ -1,9 +1,9 @@
 """Upgrades of a database written by an earlier version, run once, on first use.
 
-Two so far: prompts' messages and token ids move to ``prompt_inputs`` (common/schema.py
-says why), and ``prompt_inputs`` and ``datasets`` get the columns added since
-(``ADDED_INPUT_COLUMNS``, ``ADDED_DATASET_COLUMNS``, nullable: rows written before hold
-NULL there), with the indexes on them (``ADDED_INDEXES``). Every process that opens the database
+Two kinds so far: prompts' messages and token ids move to ``prompt_inputs``
+(common/schema.py says why), and tables get the columns added since (``ADDED_COLUMNS``:
+nullable, or with a default, which rows written before then hold), with the indexes on
+them (``ADDED_INDEXES``). Every process that opens the database
 checks; the first to find an old layout upgrades it under the database's write lock, in
 one transaction, and the others, waiting on that lock, find it done. A crash halfway
 leaves the old layout.
@@ -18,14 +18,7 @@ from typing import Any
 import sqlalchemy as sa
 
 from common.errors import ConfigError, DatagenError
-from common.schema import (
-    ADDED_DATASET_COLUMNS,
-    ADDED_INDEXES,
-    ADDED_INPUT_COLUMNS,
-    INPUT_COLUMNS,
-    datasets,
-    prompt_inputs,
-)
+from common.schema import ADDED_COLUMNS, ADDED_INDEXES, INPUT_COLUMNS, metadata
 
 log = logging.getLogger("datagen.migrations")
 
@@ -49,17 +42,10 @@ def _has_old_layout(cursor: Any, dialect: str) -> bool:
     return bool(set(INPUT_COLUMNS) & _columns(cursor, dialect, "prompts"))
 
 
-_ADDED: tuple[tuple[sa.Table, tuple[str, ...]], ...] = (
-    (prompt_inputs, ADDED_INPUT_COLUMNS), (datasets, ADDED_DATASET_COLUMNS))
-
-
-def _missing_columns(cursor: Any, dialect: str) -> list[sa.Column[Any]]:
-    """Columns added to the tables since they were created that they lack."""
-    missing = []
-    for table, added in _ADDED:
-        have = _columns(cursor, dialect, table.name)
-        missing += [table.c[c] for c in added if c not in have]
-    return missing
+def _missing_columns(cursor: Any, dialect: str) -> list[tuple[str, str]]:
+    """(table, column) of the columns added since the tables were created that they lack."""
+    have = {table: _columns(cursor, dialect, table) for table, _ in ADDED_COLUMNS}
+    return [(table, c) for table, c in ADDED_COLUMNS if c not in have[table]]
 
 
 def _needs_upgrade(cursor: Any, dialect: str) -> bool:
@@ -84,17 +70,19 @@ def _apply(cursor: Any, dialect: Any, url: str) -> None:
                 f"{sqlite3.sqlite_version}")
         _move(cursor, url)
     missing = _missing_columns(cursor, dialect.name)
-    for column in missing:
-        log.warning("%s: adding column %s to the %s table, once (a database written by "
-                    "an earlier datagen)", url, column.name, column.table.name)
-        kind = column.type.compile(dialect=dialect)
-        cursor.execute(f"ALTER TABLE {column.table.name} ADD COLUMN {column.name} {kind}")
+    for table, name in missing:
+        log.warning("%s: adding column %s to the %s table, once (a database written by an "
+                    "earlier datagen)", url, name, table)
+        # CREATE's own column clause: it keeps a NOT NULL column's default.
+        column = sa.schema.CreateColumn(metadata.tables[table].c[name]).compile(dialect=dialect)
+        cursor.execute(f"ALTER TABLE {table} ADD COLUMN {column}")
     if missing:
-        for index in prompt_inputs.indexes:
-            if index.name in ADDED_INDEXES:
-                cols = ", ".join(c.name for c in index.columns)
-                cursor.execute(f"CREATE INDEX IF NOT EXISTS {index.name} ON "
-                               f"{index.table.name} ({cols})")  # type: ignore[union-attr]
+        for table_ in metadata.tables.values():
+            for index in table_.indexes:
+                if index.name in ADDED_INDEXES:
+                    cols = ", ".join(c.name for c in index.columns)
+                    cursor.execute(f"CREATE INDEX IF NOT EXISTS {index.name} ON "
+                                   f"{table_.name} ({cols})")
 
 
 def _sqlite(raw: Any, url: str, dialect: Any) -> None:
@@ -138,7 +126,7 @@ def raw_errors(dialect: str) -> type[Exception]:
 
 def upgrade(engine: sa.Engine) -> None:
     """Bring a database written by an earlier version to the current schema; returns at
-    once if it is current, after one look at prompts' and prompt_inputs' columns."""
+    once if it is current, after one look at the tables' columns."""
     dialect = engine.dialect.name
     pooled = engine.raw_connection()
     try:

@@ -26,6 +26,7 @@ class NewPrompt:
     tools: list[dict[str, Any]] | None = None  # the line's function schemas, as read
     conversation: str | None = None  # a turn of this conversation (common/conversation.py)
     turn: int | None = None
+    rank: int | None = None  # its place in the dataset's publishing order (common/order.py)
 
 
 def allowance(prompt_tokens: int, max_new_tokens: int, max_seq_len: int

@@ -3,9 +3,11 @@
 Tables:
   meta      facts about the database itself, one row each: today its ``store_id``, which
             the Redis holding its queues and ledgers records (common/pairing.py).
-  datasets  one row per dataset: its budget terms, sampling, tokenizer, and its close.
+  datasets  one row per dataset: its budget terms, sampling, tokenizer, publishing order
+            (``sample_order`` and ``seed``, common/order.py), and its close.
   prompts   one row per (dataset, sample_id): its state (queued, done, failed, skipped),
-            attempts and last error, its length and token allowance.
+            attempts and last error, its length and token allowance, and its ``rank``
+            in the dataset's publishing order.
   prompt_inputs  one row per prompt, written once: its messages, tools and templated ids.
             Apart from prompts so that marking a prompt done rewrites a row of a few dozen
             bytes: SQLite rewrites a row's whole record to change one column, and with the
@@ -63,6 +65,10 @@ datasets = sa.Table(
     sa.Column("turns", sa.String(8)),
     # The chat template's kwargs: workers render a conversation's later turns with them.
     sa.Column("template_kwargs", sa.JSON(none_as_null=True)),
+    # common/order.py: "shuffle" (with its seed) or "file" (seed NULL). A dataset created
+    # before orders existed was published in file order.
+    sa.Column("sample_order", sa.String(16), nullable=False, server_default="file"),
+    sa.Column("seed", sa.BigInteger),
     # The value every task of the dataset is stamped with, new at creation and at each
     # reopen: workers keep revoked stamps in memory for their whole life, so a dataset
     # reopened (or recreated under the same name) must not match an old revoke.
@@ -87,6 +93,10 @@ prompts = sa.Table(
     sa.Column("error", sa.Text),
     sa.Column("created_at", sa.DateTime(timezone=True), nullable=False, default=utcnow),
     sa.Column("updated_at", sa.DateTime(timezone=True), nullable=False, default=utcnow),
+    # Its place in the dataset's publishing order (common/order.py); NULL for a prompt
+    # stored before ranks existed. No index: only the rare republishing paths sort by it,
+    # and an index would cost every insert of the producer.
+    sa.Column("rank", sa.BigInteger),
     sa.Index("ix_prompts_dataset_state", "dataset", "state"),
 )
 
@@ -112,9 +122,14 @@ prompt_inputs = sa.Table(
 INPUT_COLUMNS = ("messages", "input_ids")
 # The columns added to prompt_inputs since it was first created, nullable; an existing
 # database gets them from common/migrations.py on first use.
-ADDED_INPUT_COLUMNS = ("tools", "conversation", "turn")
-# The same for datasets.
-ADDED_DATASET_COLUMNS = ("turns", "template_kwargs")
+# The columns added to the tables since they were first created, (table, column) in the
+# order they are added: nullable, or with a default that rows written before then hold. An
+# existing database gets them from common/migrations.py on first use.
+ADDED_COLUMNS = (
+    ("prompt_inputs", "tools"), ("prompt_inputs", "conversation"), ("prompt_inputs", "turn"),
+    ("datasets", "turns"), ("datasets", "template_kwargs"), ("datasets", "sample_order"),
+    ("datasets", "seed"), ("prompts", "rank"),
+)
 # Indexes on added columns, created with them (create_all makes them for a new table only).
 ADDED_INDEXES = ("ix_prompt_inputs_conversation",)
 

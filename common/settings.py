@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from urllib.parse import urlsplit
 
 from common.errors import ConfigError
+from common.order import check_seed
 
 ENV_PREFIX = "DATAGEN_"
 # A worker at full rate had up to 7 connections out at once, but 230 of its 239 checkouts
@@ -38,6 +39,7 @@ LEAST: dict[str, tuple[float, bool]] = {
     # loop) would wait for itself until the pool's timeout.
     "db_connections": (2, True),
     "default_budget_tokens": (1, True),
+    "default_seed": (0, True),
     "heartbeat_s": (0, False),
     "dead_after_s": (0, False),
     "sweep_s": (0, False),
@@ -145,6 +147,8 @@ class Settings:
     # threads share them: its grouped steps need one or two at a time.
     db_connections: int = DEFAULT_DB_CONNECTIONS
     default_budget_tokens: int = 10_000_000
+    # The shuffle seed of a dataset created without --seed (common/order.py).
+    default_seed: int = 0
     # Liveness: a worker silent for dead_after_s has its unacked messages returned at once.
     heartbeat_s: float = 5.0
     dead_after_s: float = 20.0
@@ -183,6 +187,7 @@ class Settings:
         if self.metrics_port > MAX_PORT:
             raise ConfigError(f"{env_name('metrics_port')}={self.metrics_port} is not a port: "
                               f"give 1-{MAX_PORT}, or 0 for none")
+        check_seed(self.default_seed, env_name("default_seed"))
         check_redis_url(self.redis_url)
         check_database_url(self.database_url)
         for url in self.sglang_urls:

@@ -6,7 +6,7 @@ import dataclasses
 import functools
 import uuid
 from collections.abc import Iterable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
 
@@ -15,6 +15,7 @@ import sqlalchemy as sa
 from common.budget import Budget
 from common.db import insert_ignore, make_engine
 from common.errors import UnknownDatasetError
+from common.order import Order
 from common.rows import NewConversation, NewPrompt, ResultRow
 from common.schema import conversations, datasets, meta, prompt_inputs, prompts, results, utcnow
 from common.settings import DEFAULT_DB_CONNECTIONS
@@ -37,6 +38,7 @@ class DatasetRow:
     stamp: str = ""
     turns: str = "last"  # "all": each conversation regenerated turn by turn
     template_kwargs: dict[str, Any] | None = None
+    order: Order = field(default_factory=Order)
 
 
 @dataclass(frozen=True)
@@ -77,6 +79,7 @@ def _dataset_row(r: sa.Row[Any]) -> DatasetRow:
         stamp=r.stamp,
         turns=r.turns or "last",
         template_kwargs=r.template_kwargs,
+        order=Order(r.sample_order, r.seed),
     )
 
 
@@ -208,6 +211,8 @@ class Store:
             "reasoning_open": row.reasoning_open,
             "turns": row.turns,
             "template_kwargs": row.template_kwargs or None,
+            "sample_order": row.order.kind,
+            "seed": row.order.seed,
             "updated_at": utcnow(),
         }
         with self.engine.begin() as conn:
@@ -361,9 +366,10 @@ class Store:
     def sample_ids(
         self, dataset: str, state: str, updated_before: datetime | None = None
     ) -> list[str]:
+        """The dataset's prompts in ``state``, in its publishing order (common/order.py)."""
         q = sa.select(prompts.c.sample_id).where(
             prompts.c.dataset == dataset, prompts.c.state == state
-        )
+        ).order_by(prompts.c.rank.nulls_first(), prompts.c.sample_id)
         if updated_before is not None:
             q = q.where(prompts.c.updated_at < updated_before)
         with self.engine.connect() as conn:

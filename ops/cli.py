@@ -20,6 +20,7 @@ from ops.argtypes import Parser, add_quiet_flag, whole
 
 
 def _add_enqueue(sub: argparse._SubParsersAction) -> None:
+    from common.order import MAX_SEED, ORDERS
     from producer.plan import DEFAULT_SAMPLING
 
     p = sub.add_parser("enqueue", help="template, store and enqueue prompt files")
@@ -53,6 +54,13 @@ def _add_enqueue(sub: argparse._SubParsersAction) -> None:
                    "earlier ones; all: regenerate every assistant turn in order, each after "
                    "the model's own earlier answers (default: %(default)s)")
     add_quiet_flag(p)
+    p.add_argument("--order", choices=ORDERS, default=None,
+                   help="publishing order of each dataset's prompts: shuffle (seeded random, "
+                   "so a budget keeps a uniform random subset) or file (the head of the file "
+                   "first) (default: the dataset's stored order, else shuffle)")
+    p.add_argument("--seed", type=whole(0, MAX_SEED), default=None,
+                   help="seed of the shuffle (default: the dataset's stored seed, else "
+                   "DATAGEN_DEFAULT_SEED, 0)")
 
 
 def build_parser() -> argparse.ArgumentParser:

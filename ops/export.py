@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from common.errors import ConfigError
+from common.order import Order
 from common.progress_bar import ProgressBar
 from common.services import safe_url
 from common.settings import Settings
@@ -73,6 +74,8 @@ class DatasetExport:
     results: int
     upto_result_id: int
     reasoning_open: str | None
+    # The dataset's publishing order, which decided the samples its budget kept.
+    order: Order = field(default_factory=Order)
     exported: int = 0
     left_out: Counter[str] = field(default_factory=Counter)
     examples: list[dict[str, str]] = field(default_factory=list)
@@ -95,6 +98,8 @@ class DatasetExport:
             "left_out_examples": self.examples,
             "upto_result_id": self.upto_result_id,
             "reasoning_open": self.reasoning_open,
+            "order": self.order.kind,
+            "seed": self.order.seed,
             **self.notes,
         }
 
@@ -121,7 +126,7 @@ def export_dataset(
     upto = snapshot_id(store, ds.name)
     path = output_file(out, ds.name, fmt)
     stats = DatasetExport(ds.name, path.name, count_results(store, ds.name, upto), upto,
-                          ds.reasoning_open)
+                          ds.reasoning_open, ds.order)
     builder = make_builder(fmt, ds, conversation_ends(store, ds, upto))
     stats.notes.update(builder_notes(builder))
     progress.label(ds.name)

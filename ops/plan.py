@@ -10,6 +10,9 @@ Per dataset, from SQL alone (no Redis), in tokens on the dataset's budget basis:
             results there are; with neither, unknown. The "mean from" column says which.
   samples   done + remaining budget // mean: the samples the budget holds (under drain the
             sample that crosses the budget adds one more).
+  keeps     budget / (usable prompts × mean), at most 100%: the share of the dataset the
+            budget is expected to keep. Below 100% the publishing order decides which
+            samples those are: shuffled, a uniform random subset (common/order.py).
   prompts   "enough" when the prompts that can still give a sample (done + queued; skipped
             and failed ones never will) cover those samples, else "short by N".
   to go     min(remaining budget, queued prompts × mean): tokens still to generate; 0 for
@@ -24,6 +27,7 @@ Example: B2 of the reference run before it starts, 14,714 prompts and a 10M budg
 ``--mean-tokens 4100 --tok-per-s 930``:
 
     samples = 10,000,000 // 4,100 = 2,439          (2,439 × 4,100 = 9,999,900)
+    keeps   = 10,000,000 / (14,714 × 4,100) = 16.6%
     prompts = 14,714 ≥ 2,439                       enough
     to go   = min(10,000,000, 14,714 × 4,100 = 60,327,400) = 10,000,000
     hours   = 10,000,000 / 930 / 3,600 = 2.99
@@ -63,6 +67,8 @@ class DatasetPlan:
     mean_tokens: float | None = None
     mean_source: str | None = None
     samples: int | None = None
+    # The share of the usable prompts the whole budget is expected to keep, 0 to 1.
+    kept_fraction: float | None = None
     short_by: int | None = None
     tokens_to_go: int | None = None
     output_tokens_to_go: int | None = None
@@ -102,9 +108,18 @@ def plan_dataset(
     out_to_go = round(to_go * mean.output / mean.cost)
     return DatasetPlan(
         **terms, mean_tokens=round(float(mean.cost), 1), mean_source=mean.source,
-        samples=samples, short_by=max(0, samples - done - queued), tokens_to_go=round(to_go),
+        samples=samples, kept_fraction=kept_fraction(ds.budget.tokens, done + queued, mean.cost),
+        short_by=max(0, samples - done - queued), tokens_to_go=round(to_go),
         output_tokens_to_go=out_to_go, hours=hours_at(out_to_go, tok_per_s),
     )
+
+
+def kept_fraction(budget_tokens: int, prompts: int, mean_cost: Fraction) -> float | None:
+    """budget / (prompts × mean tokens a sample), at most 1, to 4 decimals; None without
+    prompts."""
+    if prompts <= 0 or mean_cost <= 0:
+        return None
+    return round(float(min(Fraction(1), budget_tokens / (prompts * mean_cost))), 4)
 
 
 def throughput(store: Store, names: list[str], given: float | None) -> tuple[float | None, str]:
@@ -159,7 +174,7 @@ def _prompts_cell(r: DatasetPlan) -> str:
 
 
 COLUMNS = ("dataset", "state", "basis", "budget", "used", "done", "mean\ntok", "mean from",
-           "samples\nat budget", "usable\nprompts", "prompts", "tokens\nto go", "hours")
+           "samples\nat budget", "usable\nprompts", "keeps", "prompts", "tokens\nto go", "hours")
 LEFT = ("dataset", "state", "basis", "mean from", "prompts")
 
 
@@ -173,10 +188,11 @@ def render(rows: list[DatasetPlan], total: PlanTotal) -> Table:
         table.add_row(
             r.name, r.state, r.basis, f"{r.budget_tokens:,}", f"{r.used_tokens:,}",
             f"{r.done:,}", _num(r.mean_tokens, ",.0f"), r.mean_source or "—", _num(r.samples),
-            f"{r.usable_prompts:,}", _prompts_cell(r), _num(r.tokens_to_go), _num(r.hours, ",.2f"),
+            f"{r.usable_prompts:,}", _num(r.kept_fraction, ".1%"), _prompts_cell(r),
+            _num(r.tokens_to_go), _num(r.hours, ",.2f"),
             end_section=i == len(rows) - 1,
         )
-    table.add_row("total", "", "", "", "", "", "", "", f"{total.samples:,}", "", "",
+    table.add_row("total", "", "", "", "", "", "", "", f"{total.samples:,}", "", "", "",
                   f"{total.tokens_to_go:,}", _num(total.hours, ",.2f"))
     return table
 

@@ -14,7 +14,7 @@ import sys
 import time
 from typing import Any
 
-from common.audit import queued_in_redis
+from common.audit import not_in, queued_in_redis
 from common.celery_app import make_celery
 from common.failures import STOPPED, requeue_failed
 from common.ledger import Ledger
@@ -110,8 +110,7 @@ def _send(settings: Settings, store: Store, ledger: Ledger, name: str, back: lis
     to_send = back
     if stopped:
         # The stop purged the queue: every queued prompt Redis does not hold goes out.
-        to_send = sorted(set(store.sample_ids(name, "queued"))
-                         - queued_in_redis(ledger.redis, name))
+        to_send = not_in(store.sample_ids(name, "queued"), queued_in_redis(ledger.redis, name))
     publisher = Publisher(make_celery(settings))
     publisher.publish_all(name, store.dataset(name).stamp, to_send)
     publisher.announce([name])

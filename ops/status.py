@@ -93,6 +93,9 @@ class DatasetStatus:
     last_error_count: int = 0
     stop_error: str | None = None
     conversations: dict[str, int] | None = None
+    # Its publishing order (common/order.py): "shuffle" with its seed, or "file" (seed null).
+    order: str = "shuffle"
+    seed: int | None = 0
 
 
 @dataclass(frozen=True)
@@ -177,6 +180,8 @@ def _row(ds: DatasetRow, counts: dict[str, int], led: LedgerState, sums: ResultS
         last_error_count=retry.last_error_samples,
         stop_error=stop_error if state == "stopped" else None,
         conversations=None if chats is None else asdict(chats),
+        order=ds.order.kind,
+        seed=ds.order.seed,
     )
 
 

@@ -15,6 +15,7 @@ from common.budget import Budget, parse_budget_tokens
 from common.celery_app import make_celery
 from common.console import make_console
 from common.errors import ConfigError
+from common.order import OrderRequest
 from common.progress_bar import ProgressBar
 from common.sampling_rules import sampling_flags
 from common.services import connect
@@ -52,13 +53,14 @@ def build_plans(args: argparse.Namespace, settings: Settings) -> list[DatasetPla
     budget = Budget(tokens, args.budget_basis, args.policy)
     if args.max_new_tokens <= 0 or args.max_seq_len <= 1:
         raise ConfigError("--max-new-tokens and --max-seq-len must be positive")
+    order = OrderRequest(args.order, args.seed, settings.default_seed)
     if args.manifest:
         return plans_from_manifest(args.manifest, budget, _sampling(args), args.max_new_tokens,
-                                   args.turns)
+                                   args.turns, order)
     if not args.paths:
         raise ConfigError("give prompt files or folders, or --manifest FILE")
     return plans_from_paths(args.paths, budget, _sampling(args), args.max_new_tokens,
-                            args.turns)
+                            args.turns, order)
 
 
 def run_enqueue(args: argparse.Namespace, settings: Settings) -> int:

@@ -1,5 +1,9 @@
 """``datagen enqueue``: read → template → tokenize → store → publish, datasets interleaved.
 
+Each dataset's prompts go through in its publishing order (common/order.py): shuffled, the
+dataset is read whole first, its ranks sorted, and then stored and published chunk by
+chunk in rank order; in file order it streams as it is read.
+
 Re-running on the same files enqueues nothing that is done, failed, skipped or still
 queued in Redis (waiting, or unacked by a worker); a prompt stored as queued whose
 message Redis no longer holds is enqueued again.
@@ -19,6 +23,7 @@ from common.audit import queued_in_redis
 from common.conversation_store import queued_later_turns
 from common.errors import ConfigError
 from common.ledger import Ledger
+from common.order import Order, rank_key
 from common.publish import Publisher
 from common.reconcile import reconcile_dataset
 from common.rows import NewPrompt, allowance
@@ -110,11 +115,13 @@ class Enqueuer:
         self._sent: deque[Future[None]] = deque()
         self._failed = False
         self._analyzed = False
+        self._orders: dict[str, Order] = {}
 
     def run(self, plans: list[DatasetPlan]) -> list[DatasetSummary]:
         for plan in plans:  # all of them before the first is stored
             check_sampling({**plan.sampling, "max_new_tokens": plan.max_new_tokens},
                            name=f"dataset {plan.name}: {{}}".format)
+        self._orders = {plan.name: self._order(plan) for plan in plans}
         self._tokenizing = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenize")
         self._writing = ThreadPoolExecutor(max_workers=1, thread_name_prefix="store")
         self._sending = Sender(self.app, in_child=self.publish_in_child)
@@ -141,6 +148,14 @@ class Enqueuer:
         self.publisher.announce([p.name for p in plans])
         return summaries
 
+    def _order(self, plan: DatasetPlan) -> Order:
+        """The dataset's publishing order: the stored one where the run does not ask for
+        one; ConfigError where it asks for another and the dataset holds prompts."""
+        if plan.name not in self.store.dataset_names():
+            return plan.order.resolve(plan.name, None, has_prompts=False)
+        stored = self.store.dataset(plan.name).order
+        return plan.order.resolve(plan.name, stored, bool(self.store.prompt_counts(plan.name)))
+
     def _register(self, plan: DatasetPlan) -> DatasetRow:
         row = DatasetRow(
             name=plan.name,
@@ -152,6 +167,7 @@ class Enqueuer:
             reasoning_open=self.templater.reasoning_open,
             turns=plan.turns,
             template_kwargs=self.templater.kwargs,
+            order=self._orders[plan.name],
         )
         if plan.name in self.store.dataset_names():
             old = self.store.dataset(plan.name)
@@ -180,8 +196,11 @@ class Enqueuer:
         tool_lines = [0]
         if plan.turns == "all":
             records = first_turns(records, report, tool_lines)
-        chunks = iter(lambda: list(itertools.islice(records, CHUNK)), [])
-        for chunk in chunks:
+        # In its publishing order: a conversation by its first turn's rank.
+        ranked = ds.order.arrange(records, _sample_id)
+        for pairs in iter(lambda: list(itertools.islice(ranked, CHUNK)), []):
+            chunk = [record for _, record in pairs]
+            ranks = {record.sample_id: rank for rank, record in pairs}
             # Rendered here, so the tokenizing thread only runs Rust (without the GIL) and
             # the next chunk renders while this one is tokenized.
             fresh, texts = self._render([r for r in chunk if r.sample_id not in states],
@@ -189,7 +208,7 @@ class Enqueuer:
             encoded = self._tokenizing.submit(self.templater.tokenize, texts)
             lost = self._settle(chunk, states, in_redis, summary)
             self._written.append(self._writing.submit(
-                self._write, plan, ds.stamp, summary, len(chunk), fresh, encoded, lost
+                self._write, plan, ds.stamp, summary, len(chunk), fresh, encoded, lost, ranks
             ))
             self._collect(PIPELINE_DEPTH, SENDING_DEPTH)
             yield True
@@ -243,15 +262,17 @@ class Enqueuer:
     def _write(
         self, plan: DatasetPlan, stamp: str, summary: DatasetSummary, read: int,
         fresh: list[PromptRecord], encoded: Future[list[list[int]]], lost: list[str],
+        ranks: dict[str, int] | None = None,
     ) -> _Written:
         """Store a chunk's new prompts, then hand them and the ones Redis lost to the
-        publishing process."""
+        publishing process, in publishing order (``ranks``: the chunk's)."""
         if self._failed:
             # Chunks queued behind a failed one are not written: the run stops at the first
             # error, as it did when it wrote in its own thread.
             raise _Abandoned()
         try:
-            return self._store_and_publish(plan, stamp, summary, read, fresh, encoded, lost)
+            return self._store_and_publish(plan, stamp, summary, read, fresh, encoded, lost,
+                                           ranks or {})
         except BaseException:
             self._failed = True
             raise
@@ -259,8 +280,9 @@ class Enqueuer:
     def _store_and_publish(
         self, plan: DatasetPlan, stamp: str, summary: DatasetSummary, read: int,
         fresh: list[PromptRecord], encoded: Future[list[list[int]]], lost: list[str],
+        ranks: dict[str, int],
     ) -> _Written:
-        rows = self._prompt_rows(plan, fresh, encoded.result())
+        rows = self._prompt_rows(plan, fresh, encoded.result(), ranks)
         self.store.insert_prompts(rows, [c for c in (conversation_row(plan.name, r)
                                                      for r in fresh) if c is not None])
         if rows and not self._analyzed:
@@ -269,7 +291,8 @@ class Enqueuer:
             self.store.refresh_statistics()
             self._analyzed = True
         new = [row.sample_id for row in rows if row.state == "queued"]
-        to_send, skipped = lost + new, len(rows) - len(new)
+        skipped = len(rows) - len(new)
+        to_send = sorted({*lost, *new}, key=lambda sid: rank_key(ranks.get(sid), sid))
         if not to_send or self.ledger.is_closed(plan.name):
             return _Written(summary, read, 0, skipped)
         sent = self._sending.submit(plan.name, stamp, to_send)
@@ -297,7 +320,8 @@ class Enqueuer:
         return to_send
 
     def _prompt_rows(
-        self, plan: DatasetPlan, fresh: list[PromptRecord], ids: list[list[int]]
+        self, plan: DatasetPlan, fresh: list[PromptRecord], ids: list[list[int]],
+        ranks: dict[str, int],
     ) -> list[NewPrompt]:
         rows = []
         for record, input_ids in zip(fresh, ids, strict=True):
@@ -315,5 +339,10 @@ class Enqueuer:
                 error=error,
                 tools=record.tools,
                 **turn_of(record),
+                rank=ranks.get(record.sample_id),
             ))
         return rows
+
+
+def _sample_id(record: PromptRecord) -> str:
+    return record.sample_id

@@ -1,4 +1,5 @@
-"""What to enqueue: per dataset its files, budget and sampling, from flags or a manifest."""
+"""What to enqueue: per dataset its files, budget, sampling and order, from flags or a
+manifest."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from common.budget import Budget, parse_budget_tokens
 from common.conversation import TURN_MODES
 from common.errors import ConfigError
 from common.names import validate_dataset_name
+from common.order import OrderRequest, check_order, check_seed
 from common.sampling_rules import SAMPLING_KEYS, check_sampling
 from producer.reader import discover
 
@@ -26,14 +28,17 @@ class DatasetPlan:
     sampling: dict[str, Any] = field(default_factory=lambda: dict(DEFAULT_SAMPLING))
     max_new_tokens: int = 16384
     turns: str = "last"  # "all": every assistant turn regenerated (common/conversation.py)
+    order: OrderRequest = field(default_factory=OrderRequest)
 
 
 def plans_from_paths(
     paths: list[str], budget: Budget, sampling: dict[str, Any], max_new_tokens: int,
     turns: str = "last",
+    order: OrderRequest | None = None,
 ) -> list[DatasetPlan]:
     return [
-        DatasetPlan(name, tuple(files), budget, dict(sampling), max_new_tokens, turns)
+        DatasetPlan(name, tuple(files), budget, dict(sampling), max_new_tokens, turns,
+                    order or OrderRequest())
         for name, files in discover(paths).items()
     ]
 
@@ -41,6 +46,7 @@ def plans_from_paths(
 def plans_from_manifest(
     path: str, budget: Budget, sampling: dict[str, Any], max_new_tokens: int,
     turns: str = "last",
+    order: OrderRequest | None = None,
 ) -> list[DatasetPlan]:
     """A TOML manifest: one ``[datasets.NAME]`` table per dataset.
 
@@ -52,6 +58,8 @@ def plans_from_manifest(
         max_new_tokens = 16384
         turns = "all"                    # all | last
         temperature = 0.6                # also top_p, top_k, min_p
+        order = "shuffle"                # shuffle | file
+        seed = 7
     """
     source = Path(path)
     try:
@@ -62,7 +70,8 @@ def plans_from_manifest(
     if not isinstance(tables, dict) or not tables:
         raise ConfigError(f"manifest {path}: no [datasets.NAME] tables")
     return [
-        _plan_from_table(source, name, spec, budget, sampling, max_new_tokens, turns)
+        _plan_from_table(source, name, spec, budget, sampling, max_new_tokens, turns,
+                         order or OrderRequest())
         for name, spec in tables.items()
     ]
 
@@ -70,6 +79,7 @@ def plans_from_manifest(
 def _plan_from_table(
     source: Path, name: str, spec: Any, budget: Budget, sampling: dict[str, Any], max_new: int,
     turns: str,
+    order: OrderRequest,
 ) -> DatasetPlan:
     where = f"manifest {source} [datasets.{name}]"
     validate_dataset_name(name, source=where)
@@ -80,7 +90,7 @@ def _plan_from_table(
         if not f.is_file():
             raise ConfigError(f"{where}: file {f} does not exist")
     unknown = set(spec) - {"files", "budget_tokens", "policy", "basis", "max_new_tokens",
-                           "turns", *SAMPLING_KEYS}
+                           "turns", "order", "seed", *SAMPLING_KEYS}
     if unknown:
         raise ConfigError(f"{where}: unknown keys {', '.join(sorted(unknown))}")
     try:
@@ -100,4 +110,12 @@ def _plan_from_table(
     if mode not in TURN_MODES:
         raise ConfigError(f"{where}: turns must be one of {', '.join(TURN_MODES)} "
                           f"(got {mode!r})")
-    return DatasetPlan(name, tuple(files), terms, merged, max_new_tokens, mode)
+    return DatasetPlan(name, tuple(files), terms, merged, max_new_tokens, mode,
+                       _order_from_table(where, spec, order))
+
+
+def _order_from_table(where: str, spec: dict[str, Any], order: OrderRequest) -> OrderRequest:
+    """The table's order and seed over the flags' ones."""
+    kind = check_order(spec["order"], f"{where}: order") if "order" in spec else order.kind
+    seed = check_seed(spec["seed"], f"{where}: seed") if "seed" in spec else order.seed
+    return replace(order, kind=kind, seed=seed)

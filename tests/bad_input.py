@@ -71,6 +71,7 @@ def _settings_cases() -> list[Case]:
         status("DATAGEN_REQUEST_TIMEOUT_S", "soon", "is not a number"),
         status("DATAGEN_RETRY_MAX_S", "inf", "is not a finite number"),
         status("DATAGEN_METRICS_PORT", "70000", "is not a port: give 1-65535, or 0 for none"),
+        status("DATAGEN_DEFAULT_SEED", str(2**63), "must be a whole number from 0 to"),
     ]
     for name, (least, allowed) in LEAST.items():
         value = f"{least - 1:g}" if allowed else f"{least:g}"
@@ -90,6 +91,8 @@ FLAG_CASES = [
     Case(("enqueue", "x.jsonl", "--budget-tokens", "lots"), "not a number"),
     Case(("enqueue", "x.jsonl", "--budget-basis", "input"), "invalid choice: 'input'"),
     Case(("enqueue", "x.jsonl", "--policy", "stop"), "invalid choice: 'stop'"),
+    Case(("enqueue", "x.jsonl", "--order", "random"), "invalid choice: 'random'"),
+    Case(("enqueue", "x.jsonl", "--seed", "-1"), "must be at least 0, not -1"),
     Case(("enqueue", "x.jsonl", "--chat-template-kwargs", "{bad"), "is not JSON"),
     Case(("enqueue", "x.jsonl", "--chat-template-kwargs", "[1]"), "must be a JSON object"),
     Case(("enqueue", "x.jsonl", "--top-p", "7"), "--top-p must be in (0, 1], got 7"),

@@ -16,13 +16,7 @@ from common.store import Store
 from ops.cli import main
 from tests.conftest import EXAMPLES
 from tests.helpers import running_worker, wait_settled, write_dataset
-
-STATUS_KEYS = {
-    "name", "state", "prompts", "done", "failed", "skipped", "queued", "used_tokens",
-    "budget_tokens", "basis", "policy", "inflight", "closed_at", "overshoot_tokens",
-    "tok_per_s", "eta_s", "retrying", "last_error", "last_error_count", "stop_error",
-    "conversations",
-}
+from tests.test_status_plan import STATUS_KEYS
 
 
 @pytest.fixture

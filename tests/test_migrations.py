@@ -14,7 +14,7 @@ from common.db import pooled_engine
 from common.errors import DatagenError
 from common.rows import NewConversation, NewPrompt, ResultRow
 from common.schema import (
-    ADDED_DATASET_COLUMNS,
+    ADDED_COLUMNS,
     datasets,
     meta,
     prompt_inputs,
@@ -203,15 +203,14 @@ def test_a_v020_database_gets_the_tools_column_once_and_keeps_its_prompts(db_url
     assert Store(db_url).prompt("old", "new") is not None  # a later process finds it current
 
 
-# datasets and prompt_inputs as 0.3 created them: no turn-by-turn columns, no
-# conversations table.
+# The tables before every column added since (turn by turn, the publishing order, tools),
+# and no conversations table.
 _V030 = sa.MetaData()
-for _table, _added in ((datasets, ADDED_DATASET_COLUMNS), (prompt_inputs, ("conversation", "turn")),
-                       (prompts, ()), (results, ()), (meta, ())):
+for _table in (datasets, prompt_inputs, prompts, results, meta):
     sa.Table(_table.name, _V030, *(
         sa.Column(c.name, c.type, primary_key=c.primary_key, nullable=c.nullable,
                   server_default=c.server_default)
-        for c in _table.columns if c.name not in _added))
+        for c in _table.columns if (_table.name, c.name) not in ADDED_COLUMNS))
 
 
 def test_a_v030_database_gets_the_turn_columns_and_conversations(db_url: str) -> None:
@@ -226,7 +225,8 @@ def test_a_v030_database_gets_the_turn_columns_and_conversations(db_url: str) ->
     engine.dispose()
     store = all_at_once(lambda: Store(db_url), 4)[0]  # processes starting at once
     assert {"conversation", "turn"} <= _columns(store, "prompt_inputs")
-    assert set(ADDED_DATASET_COLUMNS) <= _columns(store, "datasets")
+    assert {c for t, c in ADDED_COLUMNS if t == "datasets"} <= _columns(store, "datasets")
+    assert "rank" in _columns(store, "prompts")
     indexes = {i["name"] for i in sa.inspect(store.engine).get_indexes("prompt_inputs")}
     assert "ix_prompt_inputs_conversation" in indexes
     assert (store.dataset("old").turns, store.dataset("old").template_kwargs) == ("last", None)

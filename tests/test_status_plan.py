@@ -42,6 +42,7 @@ STATUS_KEYS = {
     "budget_tokens", "basis", "policy", "inflight", "closed_at", "overshoot_tokens",
     "tok_per_s", "eta_s", "retrying", "last_error", "last_error_count", "stop_error",
     "conversations",
+    "order", "seed",
 }
 TOTALS_KEYS = {
     "datasets", "open", "prompts", "done", "failed", "skipped", "queued", "inflight",
@@ -236,11 +237,15 @@ def test_plan_with_a_guess_on_datasets_without_results(
     mean_t = 4100 + _mean_prompt(env, "gt")  # basis total: the prompt counts too
     assert gt["samples"] == math.floor(100_000 / mean_t)
     assert gt["output_tokens_to_go"] == round(Fraction(100_000) * 4100 / mean_t)
+    # The share each budget keeps: budget / (usable prompts × mean), at most all of them.
+    assert (ga["kept_fraction"], gs["kept_fraction"]) == (round(100_000 / (30 * 4100), 4), 1.0)
+    assert gt["kept_fraction"] == round(float(Fraction(100_000) / (30 * mean_t)), 4)
     out_to_go = 100_000 + 5 * 4100 + gt["output_tokens_to_go"]
     assert doc["total"]["output_tokens_to_go"] == out_to_go
     assert doc["total"]["hours"] == pytest.approx(out_to_go / 930 / 3600, abs=1e-3)
     _, text = plan(capsys, "--mean-tokens", "4100", "--tok-per-s", "930")
     assert "enough" in text and "short by 19" in text and "--tok-per-s" in text
+    assert "81.3%" in text and "100.0%" in text
 
 
 def test_plan_without_rate_or_guess_says_how_to_give_them(
