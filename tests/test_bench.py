@@ -185,6 +185,7 @@ def test_a_leg_that_stops_progressing_fails_fast_naming_the_cause(tmp_path: Path
             watch(url, 5, {"sim": sim.pid, "gone": done.pid}, timeout_s=60)
 
 
+@pytest.mark.serial
 def test_make_bench_runs_end_to_end_at_quick_scale(tmp_path: Path,
                                                    redis_client: redis.Redis) -> None:
     """The guard and overhead benchmarks, quick, on the test services: the harness starts the
@@ -221,6 +222,7 @@ def test_the_redis_count_goes_on_after_a_quiet_second(redis_client: redis.Redis)
     assert mon.direct["SET"] == 3, mon.direct
 
 
+@pytest.mark.serial
 def test_the_fleet_projection_counts_costs_at_a_paced_rate(tmp_path: Path,
                                                           redis_client: redis.Redis) -> None:
     """The scaling benchmark, cut short: the paced run really is paced (a fraction of the
@@ -270,6 +272,7 @@ def test_a_benchmark_run_alone_makes_its_directory(tmp_path: Path) -> None:
     assert (workdir / "sim.log").stat().st_size > 0
 
 
+@pytest.mark.serial
 def test_the_overhead_legs_run_on_as_many_worker_processes_as_asked(
         tmp_path: Path, redis_client: redis.Redis) -> None:
     """``--workers 2``: every leg, the bare tasks' included, is measured over two worker
@@ -288,6 +291,7 @@ def test_the_overhead_legs_run_on_as_many_worker_processes_as_asked(
     assert "2 worker process(es) at c=8" in done.stdout
 
 
+@pytest.mark.serial
 def test_the_long_memory_run_settles_each_part_as_new_prompts(tmp_path: Path,
                                                               redis_client: redis.Redis) -> None:
     """``bench.memory``'s long run, cut short, on both databases: every part is a new
