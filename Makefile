@@ -17,12 +17,19 @@ install: $(STAMP)
 demo: $(STAMP)
 	$(VENV)/bin/datagen demo
 
-## The whole test suite, on the real Redis, PostgreSQL and SQLite.
-# pytest exits 5 when it collects no test: that is a failure too.
+## The whole test suite, on the real Redis, PostgreSQL and SQLite: TEST_WORKERS pytest-xdist
+## workers, each with a Redis DB and a PostgreSQL database of its own (tests/isolation.py)
+## and a test file's tests on one worker; then the tests marked `serial`, alone.
+# pytest exits 5 when it collects no test: that is a failure too, in either pass.
+TEST_WORKERS ?= 4
 test: $(STAMP)
-	$(PY) -m pytest; status=$$?; \
-	if [ $$status -eq 5 ]; then echo "make test: no tests were collected" >&2; exit 1; fi; \
-	exit $$status
+	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile -m "not serial"; parallel=$$?; \
+	$(PY) -m pytest -m serial; serial=$$?; \
+	for status in $$parallel $$serial; do \
+	  if [ $$status -eq 5 ]; then echo "make test: a pass collected no test" >&2; exit 1; fi; \
+	done; \
+	if [ $$parallel -ne 0 ]; then exit $$parallel; fi; \
+	exit $$serial
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .

@@ -30,6 +30,7 @@ from common.schema import metadata
 from common.settings import Settings
 from ops.localredis import free_port
 from producer.template import BUNDLED_TOKENIZER
+from tests.isolation import create_database
 
 REDIS_URL = os.environ.get("DATAGEN_BENCH_REDIS_URL", "redis://127.0.0.1:6379/11")
 POSTGRES_URL = os.environ.get(
@@ -215,25 +216,12 @@ def fresh_db(kind: str, tag: str = "bench") -> str:
         return f"sqlite:///{path}"
     if kind == "postgresql":
         url = sa.make_url(POSTGRES_SA_URL)
-        _create_database(url)
+        create_database(url)
         engine = sa.create_engine(url)
         metadata.drop_all(engine)
         engine.dispose()
         return POSTGRES_URL
     raise ValueError(f"unknown database kind {kind!r}")
-
-
-def _create_database(url: sa.URL) -> None:
-    """Create the benchmarks' PostgreSQL database on a server that lacks it (a new machine)."""
-    admin = sa.create_engine(url.set(database="postgres"), isolation_level="AUTOCOMMIT")
-    try:
-        with admin.connect() as conn:
-            exists = conn.scalar(sa.text("SELECT 1 FROM pg_database WHERE datname = :name"),
-                                 {"name": url.database})
-            if not exists:
-                conn.execute(sa.text(f'CREATE DATABASE "{url.database}"'))
-    finally:
-        admin.dispose()
 
 
 def clean_workdir() -> None:

@@ -1,10 +1,11 @@
 """Fixtures on real services: Redis (a dedicated DB, flushed before and after each test),
 SQLite and PostgreSQL (the same store tests on both), the simulator over HTTP, and a
-real Celery worker with the threads pool."""
+real Celery worker with the threads pool. Under pytest-xdist each worker has a Redis DB
+and a PostgreSQL database of its own (tests/isolation.py)."""
 
 from __future__ import annotations
 
-import os
+import contextlib
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -17,13 +18,31 @@ from common.ledger import Ledger
 from common.schema import metadata
 from common.settings import Settings
 from common.store import Store
+from tests import isolation
 
-REDIS_URL = os.environ.get("DATAGEN_TEST_REDIS_URL", "redis://127.0.0.1:6379/15")
-POSTGRES_URL = os.environ.get(
-    "DATAGEN_TEST_POSTGRES_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/test"
-)
+REDIS_URL = isolation.redis_url(isolation.REDIS_BASE, isolation.worker_id())
+POSTGRES_URL = isolation.postgres_url(isolation.POSTGRES_BASE, isolation.worker_id())
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLES = ROOT / "examples" / "prompts"
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Under xdist, check before any worker starts that the last one has a Redis DB."""
+    workers = getattr(config.option, "numprocesses", None)
+    if isolation.worker_id() is None and workers:
+        try:
+            isolation.redis_url(isolation.REDIS_BASE, f"gw{workers - 1}")
+        except isolation.IsolationError as exc:
+            raise pytest.UsageError(str(exc)) from None
+
+
+def pytest_sessionstart(session: pytest.Session) -> None:
+    """An xdist worker's own PostgreSQL database exists before its first test. A server
+    that does not answer is left to the tests that need it to report."""
+    if isolation.worker_id() is None:
+        return
+    with contextlib.suppress(sa.exc.OperationalError):
+        isolation.create_database(sa.make_url(POSTGRES_URL))
 
 
 @pytest.fixture

@@ -22,7 +22,6 @@ from bench.harness import (
     BUNDLED_TOKENIZER,
     Processes,
     _answers,
-    _create_database,
     context_switches,
     cpu_seconds,
     free_port,
@@ -35,6 +34,13 @@ from bench.report import RESULT_PREFIX
 from bench.runs import watch
 from bench.summary import headline
 from tests.conftest import POSTGRES_URL, REDIS_URL, ROOT
+from tests.isolation import create_database
+
+
+def bench_env(workdir: Path) -> dict[str, str]:
+    """A benchmark subprocess's environment: the tests' services and a directory of its own."""
+    return {**os.environ, "DATAGEN_BENCH_REDIS_URL": REDIS_URL,
+            "DATAGEN_BENCH_POSTGRES_URL": POSTGRES_URL, "DATAGEN_BENCH_DIR": str(workdir)}
 
 
 def _flags(argv: list[str]) -> dict[str, list[str]]:
@@ -100,8 +106,8 @@ def test_the_bench_database_is_created_on_a_server_that_lacks_it() -> None:
     url = sa.make_url(POSTGRES_URL).set(database=f"bench_{uuid.uuid4().hex[:12]}")
     admin = sa.create_engine(url.set(database="postgres"), isolation_level="AUTOCOMMIT")
     try:
-        _create_database(url)
-        _create_database(url)  # a second time finds it there
+        create_database(url)
+        create_database(url)  # a second time finds it there
         with admin.connect() as conn:
             names = conn.scalars(sa.text("SELECT datname FROM pg_database")).all()
         assert url.database in names
@@ -179,14 +185,14 @@ def test_a_leg_that_stops_progressing_fails_fast_naming_the_cause(tmp_path: Path
             watch(url, 5, {"sim": sim.pid, "gone": done.pid}, timeout_s=60)
 
 
+@pytest.mark.serial
 def test_make_bench_runs_end_to_end_at_quick_scale(tmp_path: Path,
                                                    redis_client: redis.Redis) -> None:
     """The guard and overhead benchmarks, quick, on the test services: the harness starts the
     simulator, pipeline workers on both databases and the bare tasks, and the summary
     judges what they measured. Their figures are not asserted (this machine is shared)."""
     out = tmp_path / "results.json"
-    env = {**os.environ, "DATAGEN_BENCH_REDIS_URL": REDIS_URL,
-           "DATAGEN_BENCH_POSTGRES_URL": POSTGRES_URL, "DATAGEN_BENCH_DIR": str(tmp_path)}
+    env = bench_env(tmp_path)
     done = subprocess.run(
         [sys.executable, "-m", "bench", "--quick", "--only", "guard,overhead",
          "--out", str(out)], env=env, cwd=ROOT, capture_output=True, text=True, timeout=300)
@@ -216,13 +222,13 @@ def test_the_redis_count_goes_on_after_a_quiet_second(redis_client: redis.Redis)
     assert mon.direct["SET"] == 3, mon.direct
 
 
+@pytest.mark.serial
 def test_the_fleet_projection_counts_costs_at_a_paced_rate(tmp_path: Path,
                                                           redis_client: redis.Redis) -> None:
     """The scaling benchmark, cut short: the paced run really is paced (a fraction of the
     instant server's rate), its counts and an idle worker's are taken, and the projection
     says which costs it uses."""
-    env = {**os.environ, "DATAGEN_BENCH_REDIS_URL": REDIS_URL,
-           "DATAGEN_BENCH_POSTGRES_URL": POSTGRES_URL, "DATAGEN_BENCH_DIR": str(tmp_path)}
+    env = bench_env(tmp_path)
     done = subprocess.run(
         [sys.executable, "-m", "bench.scaling", "--quick", "--workers", "1",
          "--samples", "300", "--cost-samples", "100", "--paced-samples", "64"],
@@ -258,7 +264,7 @@ def test_a_benchmark_run_alone_makes_its_directory(tmp_path: Path) -> None:
     code = ("from bench.harness import Processes, start_sim\n"
             "with Processes() as procs:\n"
             "    print(start_sim(procs, slots=4)[0])\n")
-    env = {**os.environ, "DATAGEN_BENCH_REDIS_URL": REDIS_URL, "DATAGEN_BENCH_DIR": str(workdir)}
+    env = bench_env(workdir)
     done = subprocess.run([sys.executable, "-c", code], env=env, cwd=ROOT, capture_output=True,
                           text=True, timeout=60)
     assert done.returncode == 0, done.stderr[-3000:]
@@ -266,11 +272,12 @@ def test_a_benchmark_run_alone_makes_its_directory(tmp_path: Path) -> None:
     assert (workdir / "sim.log").stat().st_size > 0
 
 
+@pytest.mark.serial
 def test_the_overhead_legs_run_on_as_many_worker_processes_as_asked(
         tmp_path: Path, redis_client: redis.Redis) -> None:
     """``--workers 2``: every leg, the bare tasks' included, is measured over two worker
     processes, so the ratio compares the same settings."""
-    env = {**os.environ, "DATAGEN_BENCH_REDIS_URL": REDIS_URL, "DATAGEN_BENCH_DIR": str(tmp_path)}
+    env = bench_env(tmp_path)
     done = subprocess.run(
         [sys.executable, "-m", "bench.overhead", "--dbs", "sqlite", "--samples", "200",
          "--rounds", "1", "--workers", "2", "--concurrency", "8"],
@@ -284,13 +291,13 @@ def test_the_overhead_legs_run_on_as_many_worker_processes_as_asked(
     assert "2 worker process(es) at c=8" in done.stdout
 
 
+@pytest.mark.serial
 def test_the_long_memory_run_settles_each_part_as_new_prompts(tmp_path: Path,
                                                               redis_client: redis.Redis) -> None:
     """``bench.memory``'s long run, cut short, on both databases: every part is a new
     set of prompts, all settled by the one worker before its RSS is read, so each run's
     results table ends with every sample of every part, once."""
-    env = {**os.environ, "DATAGEN_BENCH_REDIS_URL": REDIS_URL,
-           "DATAGEN_BENCH_POSTGRES_URL": POSTGRES_URL, "DATAGEN_BENCH_DIR": str(tmp_path)}
+    env = bench_env(tmp_path)
     done = subprocess.run(
         [sys.executable, "-m", "bench.memory", "--quick", "--concurrency", "64",
          "--samples", "200", "--queued", "200", "--long", "600", "--long-parts", "3",

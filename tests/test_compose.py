@@ -6,7 +6,7 @@ The checks:
   the settings; the monitoring profile's Prometheus and Grafana files it mounts.
 - The run check: every app service's own entrypoint, command, environment and healthchecks
   are read from the file and run as local processes, with the container's names mapped to
-  the tests' services: Redis DB 15, a fresh PostgreSQL, the simulator started from the
+  the tests' services: their Redis DB, a fresh PostgreSQL, the simulator started from the
   ``sim`` service's command, and a temp copy of the prompts folder. A small job then has
   to complete through them, and each worker's /metrics, as Prometheus scrapes it, has to
   count what SQL holds.

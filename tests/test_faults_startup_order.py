@@ -6,6 +6,7 @@ empty under a running worker is rebuilt the same way."""
 
 from __future__ import annotations
 
+import threading
 from pathlib import Path
 
 import pytest
@@ -138,7 +139,9 @@ def test_the_wait_says_one_line_per_service_and_gives_up_naming_the_setting(
     with caplog.at_level("WARNING", logger="datagen.worker"), \
             pytest.raises(ServiceUnavailable) as gone:
         wait_for_services(settings, poll_s=0.1, note_every_s=30.0)
-    lines = [r.getMessage() for r in caplog.records]
+    # The wait's own lines: a worker an earlier test ran in this process may have left its
+    # SGLang watch thread behind, logging to the same logger.
+    lines = [r.getMessage() for r in caplog.records if r.thread == threading.get_ident()]
     safe = url.replace("s3cret", "***")
     assert lines == [f"waiting for Redis at {safe}: connection refused"]  # not one a poll
     assert "did not answer within 1 s (connection refused)" in str(gone.value)

@@ -11,6 +11,7 @@ from common import ledger_scripts as lua
 from common.budget import BASES, Basis, Budget, Policy
 from common.keys import dataset_keys
 from common.ledger import Admission, AdmitArgs, Charge, ChargeArgs, ChargeResult, Ledger
+from tests.faultkit import PrivateRedis
 
 
 def test_charge_is_idempotent_per_sample(ledger: Ledger) -> None:
@@ -230,13 +231,18 @@ def test_a_batch_knows_how_many_keys_a_dataset_has() -> None:
     assert len(dataset_keys("ds").script_keys) == lua.KEYS_PER_DATASET
 
 
-def test_batched_calls_load_scripts_redis_lost(ledger: Ledger, redis_client: redis.Redis) -> None:
-    ledger.configure("ds", Budget(1_000))
-    redis_client.script_flush()
-    assert ledger.admit_many([AdmitArgs("ds", "r1", 100, 100)]) == [Admission.ADMITTED]
-    redis_client.script_flush()
-    charged = ledger.charge_many([ChargeArgs("ds", "s1", "r1", 0, 10),
-                                  ChargeArgs("ds", "s1", "r2", 0, 10)])
-    assert [c.status for c in charged] == [Charge.CHARGED, Charge.DUPLICATE]
-    assert ledger.state("ds").used_tokens == 10
-    assert ledger.admit_many([]) == [] and ledger.charge_many([]) == []
+def test_batched_calls_load_scripts_redis_lost() -> None:
+    # A server of its own: SCRIPT FLUSH empties the script cache of every database.
+    with PrivateRedis() as server:
+        client = server.client()
+        ledger = Ledger(client)
+        ledger.configure("ds", Budget(1_000))
+        client.script_flush()
+        assert ledger.admit_many([AdmitArgs("ds", "r1", 100, 100)]) == [Admission.ADMITTED]
+        client.script_flush()
+        charged = ledger.charge_many([ChargeArgs("ds", "s1", "r1", 0, 10),
+                                      ChargeArgs("ds", "s1", "r2", 0, 10)])
+        assert [c.status for c in charged] == [Charge.CHARGED, Charge.DUPLICATE]
+        assert ledger.state("ds").used_tokens == 10
+        assert ledger.admit_many([]) == [] and ledger.charge_many([]) == []
+        client.close()

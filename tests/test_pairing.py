@@ -4,6 +4,7 @@ a Redis that lost everything is paired again, and state from before pairing is k
 
 from __future__ import annotations
 
+import uuid
 from collections.abc import Callable
 from pathlib import Path
 from typing import TypeVar
@@ -42,20 +43,21 @@ def test_a_database_keeps_one_id_and_another_database_has_another(
 def test_a_database_user_who_may_only_read_gets_the_id(tmp_path: Path) -> None:
     writer = Store(_fresh_postgres())
     ours = writer.store_id
+    # Roles belong to the whole server: a name of its own beside other runs of the suite.
+    role = f"datagen_reader_{uuid.uuid4().hex[:8]}"
     engine = sa.create_engine(POSTGRES_URL)
     with engine.begin() as conn:
-        conn.exec_driver_sql("DROP ROLE IF EXISTS datagen_reader")
-        conn.exec_driver_sql("CREATE ROLE datagen_reader LOGIN")
-        conn.exec_driver_sql("GRANT SELECT ON ALL TABLES IN SCHEMA public TO datagen_reader")
-    reader = Store(sa.make_url(POSTGRES_URL).set(username="datagen_reader")
+        conn.exec_driver_sql(f"CREATE ROLE {role} LOGIN")
+        conn.exec_driver_sql(f"GRANT SELECT ON ALL TABLES IN SCHEMA public TO {role}")
+    reader = Store(sa.make_url(POSTGRES_URL).set(username=role)
                    .render_as_string(hide_password=False))
     try:
         assert reader.store_id == ours
     finally:
         reader.engine.dispose()
         with engine.begin() as conn:
-            conn.exec_driver_sql("REVOKE ALL ON ALL TABLES IN SCHEMA public FROM datagen_reader")
-            conn.exec_driver_sql("DROP ROLE datagen_reader")
+            conn.exec_driver_sql(f"REVOKE ALL ON ALL TABLES IN SCHEMA public FROM {role}")
+            conn.exec_driver_sql(f"DROP ROLE {role}")
         engine.dispose()
 
 
