@@ -9,7 +9,7 @@ from common.budget import Budget
 from common.db import pooled_engine
 from common.order import Order, OrderRequest
 from common.rows import NewPrompt
-from common.schema import ADDED_COLUMNS, metadata
+from common.schema import ADDED_COLUMNS, ADDED_INDEXES, metadata
 from common.store import DatasetRow, Store
 from tests.helpers import all_at_once
 
@@ -22,10 +22,13 @@ def _prompt(sample_id: str, rank: int | None = None) -> NewPrompt:
 
 
 def _write_database_before_ranks(url: str) -> None:
-    """Today's schema without the columns ranks added, holding a dataset of 3 prompts."""
+    """Today's schema without the columns added since (ranks among them), holding a dataset
+    of 3 prompts."""
     engine = pooled_engine(url)
     metadata.create_all(engine)
     with engine.begin() as conn:
+        for index in ADDED_INDEXES:  # SQLite drops no column an index still names
+            conn.exec_driver_sql(f"DROP INDEX {index}")
         for table, column in ADDED_COLUMNS:
             conn.exec_driver_sql(f"ALTER TABLE {table} DROP COLUMN {column}")
         conn.exec_driver_sql(
