@@ -37,10 +37,9 @@ def pytest_configure(config: pytest.Config) -> None:
 
 
 def pytest_sessionstart(session: pytest.Session) -> None:
-    """An xdist worker's own PostgreSQL database exists before its first test. A server
-    that does not answer is left to the tests that need it to report."""
-    if isolation.worker_id() is None:
-        return
+    """The PostgreSQL database of this run (an xdist worker's own, or the one
+    DATAGEN_TEST_POSTGRES_URL names) exists before the first test. A server that does not
+    answer is left to the tests that need it to report."""
     with contextlib.suppress(sa.exc.OperationalError):
         isolation.create_database(sa.make_url(POSTGRES_URL))
 
