@@ -11,6 +11,7 @@ message Redis no longer holds is enqueued again.
 
 from __future__ import annotations
 
+import gc
 import itertools
 from collections import deque
 from collections.abc import Callable, Iterator
@@ -132,12 +133,20 @@ class Enqueuer:
         streams = [self._dataset(p, s) for p, s in zip(plans, summaries, strict=True)]
         # Round-robin over datasets, one chunk each, so every queue fills from the start.
         try:
+            first = True
             while streams:
                 for stream in list(streams):
                     if next(stream, None) is None:
                         streams.remove(stream)
+                if first:
+                    # Every dataset is read by now (a shuffled one whole): its records live
+                    # until the end, and the collector would scan them again at each full
+                    # collection, a quarter of the producer's CPU.
+                    gc.freeze()
+                    first = False
             self._collect(0, 0)
         finally:
+            gc.unfreeze()
             for pool in (self._tokenizing, self._writing):
                 pool.shutdown(wait=True, cancel_futures=True)
             self._sending.close()
