@@ -39,12 +39,15 @@ def streak(store: Store, dataset: str, error: str) -> int:
 def requeue_failed(store: Store, dataset: str, containing: str | None = None) -> list[str]:
     """Set the dataset's failed prompts (those whose error contains ``containing``, any
     case) back to queued with no attempts; returns their sample ids, in the dataset's
-    publishing order.
+    publishing order. A prompt with no token ids (a conversation's turn that could not be
+    rendered) stays failed: there is nothing to send.
 
     One UPDATE ... RETURNING: a prompt is returned by one call only, however many run at
     once, so two retries never send it twice.
     """
-    where = [prompts.c.dataset == dataset, prompts.c.state == "failed"]
+    where = [prompts.c.dataset == dataset, prompts.c.state == "failed",
+             # A later turn that could not be built has no prompt to send again.
+             prompts.c.prompt_tokens > 0]
     if containing:
         where.append(sa.func.lower(prompts.c.error).contains(containing.lower(),
                                                               autoescape=True))
@@ -65,3 +68,12 @@ def commonest_error(store: Store, dataset: str) -> tuple[str, int] | None:
     with store.engine.connect() as conn:
         row = conn.execute(q).first()
     return None if row is None else (str(row.error or ""), int(row.n))
+
+
+def unsendable_failures(store: Store, dataset: str) -> int:
+    """Failed prompts with no token ids, which ``requeue_failed`` leaves failed."""
+    q = sa.select(sa.func.count()).where(prompts.c.dataset == dataset,
+                                         prompts.c.state == "failed",
+                                         prompts.c.prompt_tokens == 0)
+    with store.engine.connect() as conn:
+        return int(conn.scalar(q) or 0)

@@ -16,7 +16,7 @@ from typing import Any
 
 from common.audit import not_in, queued_in_redis
 from common.celery_app import make_celery
-from common.failures import STOPPED, requeue_failed
+from common.failures import STOPPED, requeue_failed, unsendable_failures
 from common.ledger import Ledger
 from common.publish import Publisher
 from common.reconcile import reconcile_dataset
@@ -53,6 +53,7 @@ def run_retry(args: argparse.Namespace, settings: Settings) -> int:
     if not back and not stopped:
         print(f"{ds.name}: {_sampling_note(fixed)}no failed prompts{_matching(args.error)}; "
               "nothing to retry")
+        _note_unsendable(store, ds.name)
         return 0
     wait_for_workers_terms(store, ds.name)
     if stopped:
@@ -61,7 +62,16 @@ def run_retry(args: argparse.Namespace, settings: Settings) -> int:
         reconcile_dataset(store, ledger, ds.name)  # closes it again if its budget is spent
     sent = _send(settings, store, ledger, ds.name, back, stopped)
     print(_report(ds, fixed, len(back), stopped, sent, ledger.state(ds.name).close_reason))
+    _note_unsendable(store, ds.name)
     return 0
+
+
+def _note_unsendable(store: Store, name: str) -> None:
+    left = unsendable_failures(store, name)
+    if left:
+        print(f"{name}: {left} failed turns could not be built (no prompt to send); they stay "
+              "failed: `SELECT sample_id, error FROM prompts WHERE state = 'failed' AND "
+              "prompt_tokens = 0` lists them")
 
 
 def is_stopped(ds: DatasetRow, ledger: Ledger) -> bool:

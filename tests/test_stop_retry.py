@@ -15,7 +15,7 @@ import redis
 from common.failures import STOPPED, commonest_error, requeue_failed, streak
 from common.keys import dataset_keys
 from common.ledger import Ledger
-from common.rows import ResultRow
+from common.rows import NewPrompt, ResultRow
 from common.settings import Settings
 from common.store import Store
 from ops.cli import main
@@ -187,3 +187,31 @@ def test_retry_error_filter_takes_only_matching_prompts_and_resets_attempts(
     # `%` and `_` are plain characters: "100_" matches nothing.
     assert requeue_failed(store, "f", "100_") == []
     assert requeue_failed(store, "f", None) == ["f-3"]
+
+
+def test_retry_leaves_failed_a_turn_that_could_not_be_built(
+    env: Settings, tmp_path: Path, redis_client: redis.Redis,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """A conversation's turn whose prompt could not be rendered is stored failed with no
+    token ids: sending it again would send an empty prompt."""
+    assert main(["enqueue", str(write_dataset(tmp_path, "t", 2)), "-q"]) == 0
+    store = Store(env.database_url)
+    redis_client.delete(*dataset_keys("t").queue_lists)  # as if workers had taken them all
+    store.record_attempt("t", "t-0", "timeout")
+    store.mark_failed("t", "t-0", "timeout")
+    store.insert_prompts([NewPrompt(dataset="t", sample_id="c#turn2", state="failed",
+                                    prompt_tokens=0, max_new_tokens=0, source="t.jsonl:9",
+                                    messages=[], input_ids=[],
+                                    error="turn 2 could not be built: boom",
+                                    conversation="c", turn=2)])
+    capsys.readouterr()
+    assert main(["retry", "t"]) == 0
+    out = capsys.readouterr().out
+    assert "1 failed prompts back to queued" in out
+    assert "1 failed turns could not be built" in out and "stay failed" in out
+    assert queue_length(redis_client, "t") == 1
+    assert store.prompt("t", "c#turn2").state == "failed"  # type: ignore[union-attr]
+    assert main(["retry", "t"]) == 0
+    out = capsys.readouterr().out
+    assert "nothing to retry" in out and "1 failed turns could not be built" in out
