@@ -35,6 +35,9 @@ class TurnContext:
     tools: list[dict[str, Any]] | None
     original: list[dict[str, Any]]  # the conversation as read
     source: str | None
+    # The turn's place in the publishing order, which its successor takes: a republished
+    # conversation stays where its first turn was (NULL for a prompt from before ranks).
+    rank: int | None = None
 
 
 @dataclass(frozen=True)
@@ -54,14 +57,16 @@ def turn_contexts(store: Store, keys: Sequence[tuple[str, str]]
     unique = list(dict.fromkeys(keys))
     q = sa.select(
         prompt_inputs.c.dataset, prompt_inputs.c.sample_id, prompt_inputs.c.conversation,
-        prompt_inputs.c.turn, conversations.c.turns, prompt_inputs.c.messages,
+        prompt_inputs.c.turn, conversations.c.turns, prompt_inputs.c.messages.label("prompt"),
         prompt_inputs.c.tools, conversations.c.messages.label("original"),
-        conversations.c.source,
+        conversations.c.source, prompts.c.rank,
     ).join(conversations, sa.and_(conversations.c.dataset == prompt_inputs.c.dataset,
                                   conversations.c.conversation == prompt_inputs.c.conversation)
-           ).where(_by_keys(prompt_inputs, len(unique)))
+           ).join(prompts, sa.and_(prompts.c.dataset == prompt_inputs.c.dataset,
+                                   prompts.c.sample_id == prompt_inputs.c.sample_id)
+                  ).where(_by_keys(prompt_inputs, len(unique)))
     with store.engine.connect() as conn:
-        return {(r.dataset, r.sample_id): TurnContext(*r)
+        return {(r.dataset, r.sample_id): TurnContext(**r._mapping)
                 for r in conn.execute(q, _key_params(unique))}
 
 

@@ -25,7 +25,7 @@ from common.errors import ConfigError
 from common.keys import dataset_keys
 from common.ledger import Ledger
 from common.publish import Publisher
-from common.schema import prompt_inputs, results
+from common.schema import prompt_inputs, prompts, results
 from common.settings import Settings
 from common.store import Store
 from common.tokenizer_files import load_tokenizer
@@ -181,6 +181,16 @@ def test_every_turn_is_regenerated_after_the_models_own_answers(
     counts = conversation_counts(store, "talk", closed=False)
     assert (counts.total, counts.complete, counts.partial) == (
         len(LINES), complete, len(LINES) - complete)
+    # Each later turn takes its conversation's place in the publishing order.
+    with store.engine.connect() as conn:
+        ranks = conn.execute(sa.select(prompt_inputs.c.conversation, prompts.c.rank).join(
+            prompts, sa.and_(prompts.c.dataset == prompt_inputs.c.dataset,
+                             prompts.c.sample_id == prompt_inputs.c.sample_id))).all()
+    by_conversation: dict[str, set[int | None]] = {}
+    for conversation, rank in ranks:
+        by_conversation.setdefault(conversation, set()).add(rank)
+    assert len(by_conversation) == len(LINES)
+    assert all(len(r) == 1 and None not in r for r in by_conversation.values())
 
     # A re-run enqueues nothing: every turn is stored, nothing generated again.
     [again] = enqueue_paths(settings, [str(path)], max_new_tokens=400, turns="all")

@@ -104,7 +104,8 @@ class NextTurns:
             dataset=ds.name, sample_id=turn_id(context.conversation, turn), state=state,
             prompt_tokens=len(input_ids), max_new_tokens=max_new_tokens,
             source=context.source or "", messages=messages, input_ids=input_ids, error=error,
-            tools=context.tools, conversation=context.conversation, turn=turn)
+            tools=context.tools, conversation=context.conversation, turn=turn,
+            rank=context.rank)
 
 
 def publish_next(publisher: Publisher, ledger: Ledger, ds: DatasetRow, sample_id: str) -> bool:
