@@ -8,6 +8,14 @@ where one long response alone is 4% of the budget). Overshoot = tokens kept − 
 late = requests that reached the server after the close. Targets: drain ≤ 1% of budget,
 abort ≤ one response, exact 0.
 
+Selection bias: the output lengths of the samples kept whole (all but the one `exact`
+cuts) against those of the whole dataset generated without a budget, which the
+simulator's seeded lengths give for every prompt without running it
+(``OutputModel.natural_length`` under each prompt's cap): the Kolmogorov-Smirnov
+distance between the two distributions, and the ratio of their means. A policy that
+drops the requests in flight at the close (`abort`) drops the long ones, which are the
+most likely to be in flight.
+
     python -m bench.overshoot [--quick]
 """
 
@@ -36,8 +44,9 @@ from bench.report import Summary, emit, table
 from bench.synth import enqueue, write_dataset
 from common.budget import Budget
 from common.ledger import Ledger
-from common.schema import prompt_inputs, results
+from common.schema import prompt_inputs, prompts, results
 from common.store import Store
+from sim.outputs import OutputModel, prompt_digest
 from sim.reqlog import input_sha1
 
 POLICIES = ("drain", "abort", "exact")
@@ -79,8 +88,42 @@ def finished(ledger: Ledger, sim_url: str) -> bool:
             and stats["running"] + stats["waiting"] == 0)
 
 
+def ks_distance(a: list[int], b: list[int]) -> float:
+    """The largest gap between the two samples' empirical distribution functions."""
+    a, b = sorted(a), sorted(b)
+    i = j = 0
+    gap = 0.0
+    for x in sorted(set(a) | set(b)):
+        while i < len(a) and a[i] <= x:
+            i += 1
+        while j < len(b) and b[j] <= x:
+            j += 1
+        gap = max(gap, abs(i / len(a) - j / len(b)))
+    return gap
+
+
+def selection_bias(store: Store, name: str, mean_output: int) -> dict[str, float]:
+    """KS distance and mean ratio of the kept whole samples' lengths against the
+    dataset's own, every prompt generated to its natural end or cap."""
+    model = OutputModel(mean_output)
+    with store.engine.connect() as conn:
+        everyone = [min(model.natural_length(prompt_digest(list(ids))), int(cap))
+                    for ids, cap in conn.execute(
+                        sa.select(prompt_inputs.c.input_ids, prompts.c.max_new_tokens).join(
+                            prompts, sa.and_(prompts.c.dataset == prompt_inputs.c.dataset,
+                                             prompts.c.sample_id == prompt_inputs.c.sample_id))
+                        .where(prompt_inputs.c.dataset == name, prompts.c.state != "skipped"))]
+        kept = [int(n) for n in conn.scalars(
+            sa.select(results.c.completion_tokens).where(
+                results.c.dataset == name, results.c.finish_reason != "budget"))]
+    if not kept or not everyone:
+        return {"ks_distance": float("nan"), "mean_ratio": float("nan")}
+    return {"ks_distance": ks_distance(kept, everyone),
+            "mean_ratio": (sum(kept) / len(kept)) / (sum(everyone) / len(everyone))}
+
+
 def measure(store: Store, ledger: Ledger, name: str, budget: int,
-            log: list[dict[str, Any]]) -> dict[str, Any]:
+            log: list[dict[str, Any]], mean_output: int) -> dict[str, Any]:
     with store.engine.connect() as conn:
         kept, tokens, biggest = conn.execute(sa.select(
             sa.func.count(), sa.func.coalesce(sa.func.sum(results.c.completion_tokens), 0),
@@ -101,6 +144,7 @@ def measure(store: Store, ledger: Ledger, name: str, budget: int,
         "wasted_tokens": sum(int(e["completion_tokens"]) for e in aborted),
         "late_requests": sum(1 for e in entries if e["arrived_ts"] > closed_at),
         "requests": len(entries),
+        **selection_bias(store, name, mean_output),
     }
 
 
@@ -122,7 +166,8 @@ def one_run(procs: Processes, args: argparse.Namespace, sim_url: str,
         procs.stop(worker)
     log = requests.get(f"{sim_url}/sim/requests", timeout=60).json()
     store = Store(settings.database_url)
-    out = {p: measure(store, ledger, f"over_{p}", args.budget, log) for p in POLICIES}
+    out = {p: measure(store, ledger, f"over_{p}", args.budget, log, args.mean_output)
+           for p in POLICIES}
     store.engine.dispose()
     return out
 
@@ -150,15 +195,18 @@ def report(args: argparse.Namespace, runs: list[dict[str, Any]]) -> dict[str, An
         rows.append((policy, s("overshoot").fmt(0), s("overshoot_pct").fmt(2),
                      s("largest_response").fmt(0), s("aborted").fmt(0),
                      s("wasted_tokens").fmt(0), s("late_requests").fmt(0),
+                     s("ks_distance").fmt(3), s("mean_ratio").fmt(3),
                      f"{goal}: {target(policy, mine)}"))
         figures[policy] = {k: s(k) for k in ("overshoot", "overshoot_pct", "wasted_tokens",
-                                              "aborted", "late_requests", "largest_response")}
+                                              "aborted", "late_requests", "largest_response",
+                                              "ks_distance", "mean_ratio")}
         figures[policy]["target"] = target(policy, mine)
         figures[policy]["runs"] = mine
     table(f"overshoot per policy: budget {args.budget:,} tokens each, mean output "
           f"{args.mean_output:,}, c={args.concurrency}, {args.runs} runs (median [min-max])",
           ["policy", "overshoot tokens", "% of budget", "largest response", "aborted reqs",
-           "wasted tokens", "late requests", "target"], rows)
+           "wasted tokens", "late requests", "KS distance kept/all",
+           "mean length kept/all", "target"], rows)
     return figures
 
 

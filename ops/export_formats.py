@@ -33,6 +33,7 @@ REASONS = {
     "missing_prompt": "its prompt row is missing from SQL",
     "invalid_id": "its id is blank, which SpecForge rejects",
     "cut_while_reasoning": "cut off while still reasoning: no closing marker, so no answer",
+    "cut_at_budget": "cut to fill the budget (the exact policy): the answer ends mid-way",
     "empty_answer": "the answer after the reasoning (or the whole output) is empty",
     "think_marker": "a reasoning marker is left in the answer or the reasoning",
     "prompt_breaks_checker": "its prompt turns break SpecForge's checker",
@@ -118,6 +119,10 @@ class SpecForgeBuilder:
                 and row.turn < self.latest.get(row.conversation, row.turn):
             return LeftOut("earlier_turn", f"turn {row.turn} of {row.conversation}, "
                            f"carried by turn {self.latest[row.conversation]}")
+        if row.finish_reason == "budget":
+            # The exact policy's crossing sample, cut to fill the budget: not an answer.
+            return LeftOut("cut_at_budget", f"cut to the budget at {row.completion_tokens} "
+                           "tokens")
         reasoning, answer, cut = self.split(row.output_text)
         if cut:
             return LeftOut("cut_while_reasoning", f"no {self.closer} in "

@@ -4,6 +4,7 @@ simulator, stored in SQLite and PostgreSQL; then the export files tampered with.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -511,3 +512,25 @@ def test_multi_turn_prompts_pass_the_checker_with_empty_earlier_reasoning() -> N
     record = {"id": "t1", "status": "success", "conversations": turns}
     assert turns[1]["reasoning_content"] == ""
     assert row_error(record, expect_reasoning=True, expect_non_reasoning=False) is None
+
+
+def test_the_sample_cut_to_the_budget_is_no_specforge_answer() -> None:
+    """The exact policy's crossing sample (finish reason budget) ends mid-answer: SpecForge
+    gets no row of it; speculators keeps its tokens with the finish reason."""
+    from datetime import UTC, datetime
+
+    from common.budget import Budget
+    from common.store import DatasetRow
+    from ops.export_formats import LeftOut, make_builder
+    from ops.export_rows import ExportRow
+
+    ds = DatasetRow("d", Budget(100, policy="exact"), {}, 4096, "", "h", reasoning_open="<think>")
+    row = ExportRow(1, "d", "s", "rid", 3, 4, 0, 2, "budget", None, [5, 6, 7, 8],
+                    "hmm</think> The answ", 0.1, "sim", "m", datetime.now(UTC),
+                    [{"role": "user", "content": "q"}], [1, 2, 3], 64)
+    left = make_builder("specforge", ds).build(row)
+    assert isinstance(left, LeftOut) and left.reason == "cut_at_budget"
+    whole = make_builder("specforge", ds).build(dataclasses.replace(row, finish_reason="stop"))
+    assert not isinstance(whole, LeftOut)
+    kept = make_builder("speculators", ds).build(row)
+    assert not isinstance(kept, LeftOut) and kept["metadata"]["finish_reason"] == "budget"
