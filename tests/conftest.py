@@ -6,14 +6,17 @@ and a PostgreSQL database of its own (tests/isolation.py)."""
 from __future__ import annotations
 
 import contextlib
+import weakref
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import redis
 import requests
 import sqlalchemy as sa
 
+import common.db
 from common.ledger import Ledger
 from common.schema import metadata
 from common.settings import Settings
@@ -42,6 +45,32 @@ def pytest_sessionstart(session: pytest.Session) -> None:
     answer is left to the tests that need it to report."""
     with contextlib.suppress(sa.exc.OperationalError):
         isolation.create_database(sa.make_url(POSTGRES_URL))
+
+
+# Every engine the code under test opens, so that each test's pooled connections are
+# closed when it ends: tests make stores freely, and an engine dropped without dispose()
+# keeps its connections until the collector finds it. Four xdist workers doing that ran
+# PostgreSQL out of its 100 connections.
+_ENGINES: weakref.WeakSet[sa.Engine] = weakref.WeakSet()
+_pooled_engine = common.db.pooled_engine
+
+
+def _tracked_engine(*args: Any, **kwargs: Any) -> sa.Engine:
+    engine = _pooled_engine(*args, **kwargs)
+    _ENGINES.add(engine)
+    return engine
+
+
+common.db.pooled_engine = _tracked_engine  # type: ignore[assignment]
+
+
+@pytest.fixture(autouse=True)
+def _close_pooled_connections() -> Iterator[None]:
+    """After each test, close the connections its engines hold idle. An engine stays usable
+    (a module's store opens new ones when next asked); one in use keeps its connection."""
+    yield
+    for engine in list(_ENGINES):
+        engine.dispose()
 
 
 @pytest.fixture
