@@ -19,7 +19,7 @@ from typing import Any
 import sqlalchemy as sa
 
 from common.schema import conversations, prompt_inputs, prompts, results
-from common.store import Store, _by_keys, _key_params
+from common.store import Store, by_keys, key_params
 
 
 @dataclass(frozen=True)
@@ -64,10 +64,10 @@ def turn_contexts(store: Store, keys: Sequence[tuple[str, str]]
                                   conversations.c.conversation == prompt_inputs.c.conversation)
            ).join(prompts, sa.and_(prompts.c.dataset == prompt_inputs.c.dataset,
                                    prompts.c.sample_id == prompt_inputs.c.sample_id)
-                  ).where(_by_keys(prompt_inputs, len(unique)))
+                  ).where(by_keys(prompt_inputs, len(unique)))
     with store.engine.connect() as conn:
         return {(r.dataset, r.sample_id): TurnContext(**r._mapping)
-                for r in conn.execute(q, _key_params(unique))}
+                for r in conn.execute(q, key_params(unique))}
 
 
 def turn_state(store: Store, dataset: str, conversation: str, turn: int) -> str | None:

@@ -116,15 +116,15 @@ def _error_text(error: str) -> str:
     return storable(error[:4000])
 
 
-def _by_keys(table: sa.Table, n: int) -> sa.ColumnElement[bool]:
+def by_keys(table: sa.Table, n: int) -> sa.ColumnElement[bool]:
     """A WHERE for n (dataset, sample_id) keys of ``table``, bound as d0, s0, d1, ... (see
-    ``_key_params``). As ORs of pairs: both databases look each one up in the primary key
+    ``key_params``). As ORs of pairs: both databases look each one up in the primary key
     that way, whereas SQLite scans the whole table for a row-value IN."""
     return sa.or_(*(sa.and_(table.c.dataset == sa.bindparam(f"d{i}"),
                             table.c.sample_id == sa.bindparam(f"s{i}")) for i in range(n)))
 
 
-def _key_params(keys: Iterable[tuple[str, str]]) -> dict[str, str]:
+def key_params(keys: Iterable[tuple[str, str]]) -> dict[str, str]:
     params = {}
     for i, (dataset, sample_id) in enumerate(keys):
         params[f"d{i}"], params[f"s{i}"] = dataset, sample_id
@@ -140,12 +140,12 @@ def _prompts_read(n: int) -> sa.Select[Any]:
         prompts.c.prompt_tokens, prompts.c.max_new_tokens, prompts.c.attempts,
     ).join(prompt_inputs, sa.and_(prompt_inputs.c.dataset == prompts.c.dataset,
                                   prompt_inputs.c.sample_id == prompts.c.sample_id),
-           ).where(_by_keys(prompts, n))
+           ).where(by_keys(prompts, n))
 
 
 @functools.lru_cache(maxsize=128)
 def _mark_done(n: int) -> sa.Update:
-    return (sa.update(prompts).where(_by_keys(prompts, n))
+    return (sa.update(prompts).where(by_keys(prompts, n))
             .values(state="done", error=None, updated_at=sa.bindparam("now")))
 
 
@@ -386,7 +386,7 @@ class Store:
         unique = dict.fromkeys(keys)
         with self._reading() as conn:
             found = {(r.dataset, r.sample_id): PromptRow(*r)
-                     for r in conn.execute(_prompts_read(len(unique)), _key_params(unique))}
+                     for r in conn.execute(_prompts_read(len(unique)), key_params(unique))}
         return [found.get(key) for key in keys]
 
     def record_attempt(self, dataset: str, sample_id: str, error: str, count: bool = True) -> int:
@@ -442,7 +442,7 @@ class Store:
         with self.engine.begin() as conn:
             stored = conn.execute(into_results, [_result_values(r, now) for r in rows])
             inserted = {(dataset, sample_id) for dataset, sample_id in stored}
-            conn.execute(_mark_done(len(keys)), {"now": now, **_key_params(keys)})
+            conn.execute(_mark_done(len(keys)), {"now": now, **key_params(keys)})
             self._insert_prompts(conn, then)
         return inserted
 
