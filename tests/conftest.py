@@ -6,6 +6,7 @@ and a PostgreSQL database of its own (tests/isolation.py)."""
 from __future__ import annotations
 
 import contextlib
+import warnings
 import weakref
 from collections.abc import Iterator
 from pathlib import Path
@@ -21,7 +22,7 @@ from common.ledger import Ledger
 from common.schema import metadata
 from common.settings import Settings
 from common.store import Store
-from tests import isolation
+from tests import isolation, leftovers
 
 REDIS_URL = isolation.redis_url(isolation.REDIS_BASE, isolation.worker_id())
 POSTGRES_URL = isolation.postgres_url(isolation.POSTGRES_BASE, isolation.worker_id())
@@ -71,6 +72,17 @@ def _close_pooled_connections() -> Iterator[None]:
     yield
     for engine in list(_ENGINES):
         engine.dispose()
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _no_datagen_process_left(request: pytest.FixtureRequest) -> Iterator[None]:
+    """A module's ``datagen`` subprocesses end with it (tests/leftovers.py says why)."""
+    yield
+    left = leftovers.datagen_children()
+    if left:
+        leftovers.end(list(left))
+        warnings.warn(f"{request.module.__name__} left running: {sorted(left.values())}",
+                      stacklevel=1)
 
 
 @pytest.fixture

@@ -12,7 +12,7 @@ from typing import Any, TypeVar
 
 import redis
 import sqlalchemy as sa
-from celery import Celery
+from celery import Celery, signals
 from celery.contrib.testing.worker import start_worker
 
 from common.budget import Budget
@@ -80,9 +80,17 @@ def context_for(settings: Settings, tmp_path: Path, name: str, n: int) -> Worker
 @contextmanager
 def running_worker(settings: Settings, concurrency: int = 16) -> Iterator[Celery]:
     app = create_app(settings)
-    with start_worker(app, pool="threads", concurrency=concurrency, perform_ping_check=False,
-                      shutdown_timeout=30):
-        yield app
+    worker = None
+    try:
+        with start_worker(app, pool="threads", concurrency=concurrency,
+                          perform_ping_check=False, shutdown_timeout=30) as worker:
+            yield app
+    finally:
+        # Celery's test worker ends by a cold shutdown, which sends no worker_shutdown (a
+        # real worker's process ends there). Without it the heartbeat thread would go on
+        # beating, and pair a Redis that a later test flushed with this test's database.
+        if worker is not None:
+            signals.worker_shutdown.send(sender=worker)
 
 
 def enqueue_paths(

@@ -111,6 +111,31 @@ def test_the_worker_says_sglang_does_not_answer_and_fails_nothing(
     assert store.prompt_counts("nosrv") == {"done": 4}
 
 
+def test_a_worker_run_in_a_process_leaves_no_thread_of_its_own_behind(
+    sqlite_url: str, redis_client: redis.Redis, tmp_path: Path
+) -> None:
+    # A worker run inside another process (here, pytest) must leave no thread behind
+    # that keeps logging "waiting for SGLang" into whatever that process does next.
+    settings = make_settings(sqlite_url, f"http://127.0.0.1:{free_port()}")
+    enqueue_paths(settings, [str(write_dataset(tmp_path, "gone", 1))])
+    before = _ours()
+    with running_worker(settings, concurrency=2):
+        wait_for(lambda: {"datagen-sglang-wait", "datagen-queue-sync"} <= _names(_ours() - before),
+                 30, "the SGLang watch and the queue sync to start")
+    # Neither the watch nor the queue sync, which would pair a Redis that a later user of
+    # it flushed with this worker's database.
+    wait_for(lambda: not _ours() - before, 10,
+             f"the worker's threads to end with it: {_names(_ours() - before)}")
+
+
+def _ours() -> set[threading.Thread]:
+    return {t for t in threading.enumerate() if t.name.startswith("datagen-")}
+
+
+def _names(threads: set[threading.Thread]) -> set[str]:
+    return {t.name for t in threads}
+
+
 def _prompt_rows(store: Store) -> list[tuple[str, int, str | None]]:
     with store.engine.connect() as conn:
         return [tuple(r) for r in conn.exec_driver_sql(  # type: ignore[misc]

@@ -299,7 +299,10 @@ def test_status_on_an_emptied_redis_rebuilds_the_ledgers_from_sql(
         sql_tokens = sum(c for c, _, _ in result_rows(env, name))
         assert after[name]["used_tokens"] == sql_tokens > 0  # not 0 / budget
         assert {k: after[name][k] for k in COMPARED} == {k: before[name][k] for k in COMPARED}
-    assert after["cl"]["state"] == "closed" and after["cl"]["overshoot_tokens"] > 0
+    # A drain close may land exactly on the budget: the overshoot is whatever SQL holds.
+    cl_tokens = sum(c for c, _, _ in result_rows(env, "cl"))
+    assert after["cl"]["state"] == "closed" and cl_tokens >= 600
+    assert after["cl"]["overshoot_tokens"] == cl_tokens - 600
     assert "held no ledger of cl, op: rebuilt from SQL" in err
     assert redis_client.get(STORE_ID) == Store(env.database_url).store_id.encode()
     assert main(["status"]) == 0  # rebuilt once: the next look finds the ledgers there

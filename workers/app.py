@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 import warnings
 from typing import Any
 
@@ -82,7 +83,11 @@ def prepare(app: Celery) -> None:
     for problem in problems:
         log.warning("SGLang server not answering at start: %s", problem)
     if problems:
-        watch_sglang(ctx.client.check_servers)
+        # Stopped at shutdown (_stop_watching): a worker run inside another process (tests,
+        # an embedding program) must not keep logging after it ends.
+        app.datagen_sglang_watch = threading.Event()  # type: ignore[attr-defined]
+        watch_sglang(ctx.client.check_servers,
+                     stop=app.datagen_sglang_watch)  # type: ignore[attr-defined]
 
 
 def _ours(app: Any) -> bool:
@@ -179,6 +184,13 @@ def _stop_heartbeat(sender: Any = None, **_: Any) -> None:
     beat = getattr(getattr(sender, "app", None), "datagen_heartbeat", None)
     if beat is not None:
         beat.stop()
+
+
+@signals.worker_shutdown.connect
+def _stop_watching(sender: Any = None, **_: Any) -> None:
+    watching = getattr(getattr(sender, "app", None), "datagen_sglang_watch", None)
+    if watching is not None:
+        watching.set()
 
 
 @signals.worker_shutdown.connect
