@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from fractions import Fraction
 from typing import Any
 
 import sqlalchemy as sa
@@ -93,21 +94,24 @@ def queued_later_turns(store: Store, dataset: str) -> list[str]:
         return list(conn.scalars(q))
 
 
+def _turns_stored() -> sa.FromClause:
+    """Each conversation's turns, with their prompt and, once stored, their result."""
+    return conversations.join(prompt_inputs, sa.and_(
+        prompt_inputs.c.dataset == conversations.c.dataset,
+        prompt_inputs.c.conversation == conversations.c.conversation),
+    ).join(prompts, sa.and_(prompts.c.dataset == prompt_inputs.c.dataset,
+                            prompts.c.sample_id == prompt_inputs.c.sample_id),
+    ).outerjoin(results, sa.and_(results.c.dataset == prompt_inputs.c.dataset,
+                                 results.c.sample_id == prompt_inputs.c.sample_id))
+
+
 def conversation_counts(store: Store, dataset: str, closed: bool) -> ConversationCounts:
     """How many of the dataset's conversations are in each state (module docstring)."""
     per = sa.select(
         conversations.c.turns,
         sa.func.count(results.c.id).label("stored"),
         sa.func.sum(sa.case((prompts.c.state == "queued", 1), else_=0)).label("pending"),
-    ).select_from(
-        conversations.join(prompt_inputs, sa.and_(
-            prompt_inputs.c.dataset == conversations.c.dataset,
-            prompt_inputs.c.conversation == conversations.c.conversation),
-        ).join(prompts, sa.and_(prompts.c.dataset == prompt_inputs.c.dataset,
-                                prompts.c.sample_id == prompt_inputs.c.sample_id),
-        ).outerjoin(results, sa.and_(results.c.dataset == prompt_inputs.c.dataset,
-                                     results.c.sample_id == prompt_inputs.c.sample_id))
-    ).where(conversations.c.dataset == dataset).group_by(
+    ).select_from(_turns_stored()).where(conversations.c.dataset == dataset).group_by(
         conversations.c.conversation, conversations.c.turns).subquery()
     complete = per.c.stored >= per.c.turns
     running = sa.false() if closed else sa.and_(sa.not_(complete), per.c.pending > 0)
@@ -122,6 +126,48 @@ def conversation_counts(store: Store, dataset: str, closed: bool) -> Conversatio
     with store.engine.connect() as conn:
         total, done, going, partial = (int(n) for n in conn.execute(q).one())
     return ConversationCounts(total, done, going, partial, total - done - going - partial)
+
+
+@dataclass(frozen=True)
+class ConversationTokens:
+    """A dataset's stored turns summed by conversation state, for planning in
+    conversations: the complete ones give the tokens a conversation takes; the stored
+    turns of the others are spent on conversations still to finish."""
+
+    complete: int = 0
+    complete_prompt_tokens: int = 0
+    complete_completion_tokens: int = 0
+    open_prompt_tokens: int = 0
+    open_completion_tokens: int = 0
+    mean_turns: Fraction = Fraction(0)  # assistant turns a conversation has, on average
+
+
+def conversation_tokens(store: Store, dataset: str) -> ConversationTokens:
+    """Token sums of the dataset's stored turns, complete conversations apart."""
+    per = sa.select(
+        conversations.c.turns,
+        sa.func.count(results.c.id).label("stored"),
+        sa.func.coalesce(sa.func.sum(results.c.prompt_tokens), 0).label("prompt"),
+        sa.func.coalesce(sa.func.sum(results.c.completion_tokens), 0).label("completion"),
+    ).select_from(_turns_stored()).where(conversations.c.dataset == dataset).group_by(
+        conversations.c.conversation, conversations.c.turns).subquery()
+    complete = per.c.stored >= per.c.turns
+
+    def total(column: sa.ColumnElement[Any], when: sa.ColumnElement[bool]
+              ) -> sa.ColumnElement[int]:
+        return sa.func.coalesce(sa.func.sum(sa.case((when, column), else_=0)), 0)
+
+    q = sa.select(
+        total(sa.literal(1), complete), total(per.c.prompt, complete),
+        total(per.c.completion, complete), total(per.c.prompt, sa.not_(complete)),
+        total(per.c.completion, sa.not_(complete)), sa.func.count(),
+        sa.func.coalesce(sa.func.sum(per.c.turns), 0),
+    ).select_from(per)
+    with store.engine.connect() as conn:
+        done, done_p, done_c, open_p, open_c, chats, turns = (
+            int(n) for n in conn.execute(q).one())
+    return ConversationTokens(done, done_p, done_c, open_p, open_c,
+                              Fraction(turns, chats) if chats else Fraction(0))
 
 
 def latest_turns(store: Store, dataset: str, upto_id: int) -> dict[str, int]:

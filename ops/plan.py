@@ -17,6 +17,13 @@ Per dataset, from SQL alone (no Redis), in tokens on the dataset's budget basis:
             and failed ones never will) cover those samples, else "short by N".
   to go     min(remaining budget, queued prompts × mean): tokens still to generate; 0 for
             a closed dataset, which generates nothing more.
+  unit      "conversations" for a dataset regenerated turn by turn (``--turns all``): a
+            sample is then a conversation. done counts complete conversations, the usable
+            ones add those in progress, and mean is the tokens of a complete conversation,
+            every turn counted (before 20 are complete, --mean-tokens × the conversations'
+            mean turns). The turns already stored of conversations in progress are spent
+            on them: samples = done + (remaining + those tokens) // mean, and to go
+            = min(remaining, in progress × mean − those tokens).
   hours     output tokens to go / throughput / 3600. The throughput is --tok-per-s, else
             the output tokens stored over the last 10 minutes by all datasets / 600 (it
             fills up over a run's first 10 minutes; pass --tok-per-s until then). Datasets
@@ -45,7 +52,9 @@ from typing import Any
 from rich import box
 from rich.table import Table
 
+from common.budget import cost_on
 from common.console import make_console
+from common.conversation_store import conversation_counts, conversation_tokens
 from common.settings import Settings
 from common.store import DatasetRow, Store
 from ops import progress
@@ -73,6 +82,19 @@ class DatasetPlan:
     tokens_to_go: int | None = None
     output_tokens_to_go: int | None = None
     hours: float | None = None
+    unit: str = "samples"  # "conversations" for a --turns all dataset
+
+
+@dataclass(frozen=True)
+class Progress:
+    """What a dataset has done, in its unit (samples, or conversations)."""
+
+    done: int = 0
+    queued: int = 0  # prompts queued, or conversations in progress
+    # Tokens (on the basis) already stored for the queued units: turns of conversations
+    # in progress. 0 for samples, which are stored whole.
+    spent_on_queued: int = 0
+    unit: str = "samples"
 
 
 @dataclass(frozen=True)
@@ -91,25 +113,27 @@ def hours_at(output_tokens: int, tok_per_s: float | None) -> float | None:
 
 
 def plan_dataset(
-    ds: DatasetRow, counts: dict[str, int], used: int, mean: Mean | None, tok_per_s: float | None
+    ds: DatasetRow, did: Progress, used: int, mean: Mean | None, tok_per_s: float | None
 ) -> DatasetPlan:
-    done, queued = counts.get("done", 0), counts.get("queued", 0)
     closed = ds.state == "closed"
     remaining = 0 if closed else max(0, ds.budget.tokens - used)
+    spent = 0 if closed else did.spent_on_queued
     terms: dict[str, Any] = {
         "name": ds.name, "state": ds.state, "basis": ds.budget.basis,
-        "budget_tokens": ds.budget.tokens, "used_tokens": used, "done": done, "queued": queued,
-        "usable_prompts": done + queued,
+        "budget_tokens": ds.budget.tokens, "used_tokens": used, "done": did.done,
+        "queued": did.queued, "usable_prompts": did.done + did.queued, "unit": did.unit,
     }
     if mean is None:
         return DatasetPlan(**terms)
-    samples = done + math.floor(remaining / mean.cost)
-    to_go = min(Fraction(remaining), (0 if closed else queued) * mean.cost)
+    samples = did.done + math.floor((remaining + spent) / mean.cost)
+    queued = 0 if closed else did.queued
+    to_go = min(Fraction(remaining), max(Fraction(0), queued * mean.cost - spent))
     out_to_go = round(to_go * mean.output / mean.cost)
     return DatasetPlan(
         **terms, mean_tokens=round(float(mean.cost), 1), mean_source=mean.source,
-        samples=samples, kept_fraction=kept_fraction(ds.budget.tokens, done + queued, mean.cost),
-        short_by=max(0, samples - done - queued), tokens_to_go=round(to_go),
+        samples=samples,
+        kept_fraction=kept_fraction(ds.budget.tokens, did.done + did.queued, mean.cost),
+        short_by=max(0, samples - did.done - did.queued), tokens_to_go=round(to_go),
         output_tokens_to_go=out_to_go, hours=hours_at(out_to_go, tok_per_s),
     )
 
@@ -156,9 +180,30 @@ def build_plan(
     rows = []
     for ds in dsets:
         s, basis = sums.get(ds.name, ResultSums()), ds.budget.basis
-        mean = estimate_mean(s, basis, mean_guess, prompt_means.get(ds.name, Fraction(0)))
-        rows.append(plan_dataset(ds, counts.get(ds.name, {}), s.cost(basis), mean, rate))
+        prompt_mean = prompt_means.get(ds.name, Fraction(0))
+        if ds.turns == "all":
+            did, mean = _in_conversations(store, ds, mean_guess, prompt_mean)
+        else:
+            c = counts.get(ds.name, {})
+            did = Progress(c.get("done", 0), c.get("queued", 0))
+            mean = estimate_mean(s, basis, mean_guess, prompt_mean)
+        rows.append(plan_dataset(ds, did, s.cost(basis), mean, rate))
     return rows, plan_total(rows, rate, source)
+
+
+def _in_conversations(store: Store, ds: DatasetRow, guess: int | None, prompt_mean: Fraction
+                      ) -> tuple[Progress, Mean | None]:
+    """A --turns all dataset's progress and mean, a conversation a sample."""
+    chats = conversation_counts(store, ds.name, closed=ds.state == "closed")
+    tokens = conversation_tokens(store, ds.name)
+    basis = ds.budget.basis
+    whole = ResultSums(tokens.complete, tokens.complete_completion_tokens,
+                       tokens.complete_prompt_tokens)
+    spent = cost_on(basis, tokens.open_prompt_tokens, tokens.open_completion_tokens)
+    turns = tokens.mean_turns
+    mean = estimate_mean(whole, basis, None if guess is None else guess * turns,
+                         prompt_mean * turns)
+    return Progress(chats.complete, chats.in_progress, spent, "conversations"), mean
 
 
 def _num(n: int | float | None, fmt: str = ",") -> str:
@@ -197,9 +242,13 @@ def render(rows: list[DatasetPlan], total: PlanTotal) -> Table:
     return table
 
 
-def notes(total: PlanTotal) -> list[str]:
+def notes(rows: list[DatasetPlan], total: PlanTotal) -> list[str]:
     """What the numbers rest on, and how to fill in what is missing."""
     lines = []
+    chats = [r.name for r in rows if r.unit == "conversations"]
+    if chats:
+        lines.append(f"in conversations (--turns all): {', '.join(chats)}; done counts "
+                     "complete ones, mean is a complete conversation's tokens, every turn")
     if total.tok_per_s is None:
         lines.append("hours: no result stored in the last 10 minutes; pass --tok-per-s N "
                      "(the reference 8-GPU server does ~930) to estimate them")
@@ -238,6 +287,6 @@ def run_plan(args: argparse.Namespace, settings: Settings) -> int:
         return 0
     console = make_console()
     console.print(render(rows, total))
-    for line in notes(total):
+    for line in notes(rows, total):
         console.print(line, highlight=False)
     return 0

@@ -53,7 +53,7 @@ class Mean:
 
 
 def estimate_mean(
-    sums: ResultSums, basis: str, guess: int | None, prompt_mean: Fraction
+    sums: ResultSums, basis: str, guess: Fraction | int | None, prompt_mean: Fraction
 ) -> Mean | None:
     """Observed once there are MIN_OBSERVED results, else the guess, else the few there are.
 
