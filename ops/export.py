@@ -4,8 +4,8 @@
                    [--allow-empty]
 
 Writes ``DIR/<dataset>.specforge.jsonl`` (or ``.speculators.jsonl``, ``.parquet``) and
-``DIR/manifest.json``. Memory stays flat in the number of results: rows stream from SQL
-in batches and go to the file one by one. Each dataset is read up to the newest result
+``DIR/manifest.datagen`` (JSON). Memory stays flat in the number of results: rows stream
+from SQL in batches and go to the file one by one. Each dataset is read up to the newest result
 present when its export starts, so workers may keep running; the manifest records that
 bound and ``datagen validate`` checks against it.
 
@@ -45,10 +45,9 @@ from ops.export_formats import (
     make_builder,
     output_file,
 )
-from ops.export_io import Sink, open_sink
+from ops.export_io import LEGACY_MANIFEST, MANIFEST, Sink, open_sink
 from ops.export_rows import ExportRow, count_results, iter_rows, result_counts, snapshot_id
 
-MANIFEST = "manifest.json"
 MANIFEST_VERSION = 1
 MAX_EXAMPLES = 20
 
@@ -144,6 +143,7 @@ def prepare_out(out: Path) -> None:
         out.mkdir(parents=True, exist_ok=True)
         # A stale manifest must not describe the files this export is about to replace.
         (out / MANIFEST).unlink(missing_ok=True)
+        (out / LEGACY_MANIFEST).unlink(missing_ok=True)
     except OSError as exc:
         raise ConfigError(f"--out {out}: cannot write there ({exc.strerror or exc})") from None
 

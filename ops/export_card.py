@@ -1,7 +1,7 @@
 """The dataset card ``datagen export`` writes beside its files: ``README.md``.
 
 Its YAML front matter is what the Hugging Face Hub and ``datasets.load_dataset`` read: one
-config per dataset naming its file (so ``manifest.json`` is never taken for data), and a
+config per dataset naming its file (so the manifest is never taken for data), and a
 default one: the only dataset's, or ``all`` of them when every file has the same columns
 (files whose rows differ in their columns, a ``tools`` key in one dataset's only, cannot be
 read as one table). The license is left for the publisher to choose. The body tells what
@@ -26,6 +26,7 @@ from common.failures import STOPPED
 from common.schema import results
 from common.store import DatasetRow, Store
 from ops.export_formats import REASONS
+from ops.export_io import MANIFEST
 from ops.progress import prompt_counts
 
 if TYPE_CHECKING:
@@ -215,7 +216,7 @@ def card_text(fmt: str, created_at: str, datasets: list[DatasetRow],
     lines = [*front_matter(stats), "", "# Generated responses", "",
              f"A model's responses to prompts, made with datagen and exported as `{fmt}` on "
              f"{created_at}: {sum(s.exported for s in stats):,} rows in {len(stats)} "
-             "datasets, one file each. `manifest.json` is the export's own record "
+             f"datasets, one file each. `{MANIFEST}` (JSON) is the export's own record "
              "(`datagen validate` checks the files against SQL with it).", "",
              "```python", "from datasets import load_dataset", "",
              loading, f'load_dataset("path/to/this/folder", "{first}")  # one dataset',
@@ -226,7 +227,7 @@ def card_text(fmt: str, created_at: str, datasets: list[DatasetRow],
     for s in stats:
         lines += left_out_lines(by_name[s.name], s, facts[s.name])
     lines += ["", "Results stored after a dataset's export began are not in its file "
-              "(`upto_result_id` in `manifest.json`)."]
+              f"(`upto_result_id` in `{MANIFEST}`)."]
     return "\n".join(lines) + "\n"
 
 

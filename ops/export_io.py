@@ -18,6 +18,12 @@ from typing import TYPE_CHECKING, Any
 
 from ops.export_rows import BATCH_ROWS
 
+# JSON, under a name that is not *.json: speculators' `--data FOLDER` loads every *.json
+# and *.jsonl file in the folder as data, and would fail on it.
+MANIFEST = "manifest.datagen"
+# Its name before 0.3.0: removed by an export into the folder, read by validate.
+LEGACY_MANIFEST = "manifest.json"
+
 if TYPE_CHECKING:
     import pyarrow as pa
     import pyarrow.parquet as pq

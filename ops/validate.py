@@ -2,8 +2,8 @@
 
     datagen validate DIR [--dataset NAME ...]
 
-``DIR/manifest.json`` says the format, the datasets and, per dataset, the newest result
-the export read and what it left out. For each dataset:
+``DIR/manifest.datagen`` (``manifest.json`` before 0.3.0) says the format, the datasets
+and, per dataset, the newest result the export read and what it left out. For each dataset:
 
 * every record is readable and keeps its format's own rules: SpecForge's checker for
   ``specforge`` (reimplemented in :mod:`ops.specforge_check`, which names the upstream
@@ -38,9 +38,8 @@ from common.services import safe_url
 from common.settings import Settings
 from common.store import Store
 from ops.argtypes import add_quiet_flag
-from ops.export import MANIFEST
 from ops.export_formats import FORMATS, LeftOut, conversation_ends, make_builder
-from ops.export_io import read_records
+from ops.export_io import LEGACY_MANIFEST, MANIFEST, read_records
 from ops.export_rows import LOOKUP_CHUNK, count_results, iter_rows, lookup_rows, snapshot_id
 from ops.validate_checks import MAX_SHOWN, Findings, describe_diff, record_id, shape_error
 
@@ -58,6 +57,8 @@ def add_validate_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentPar
 
 def load_manifest(directory: Path) -> dict[str, Any]:
     path = directory / MANIFEST
+    if not path.is_file() and (directory / LEGACY_MANIFEST).is_file():
+        path = directory / LEGACY_MANIFEST  # an export made before 0.3.0
     if not path.is_file():
         raise ConfigError(f"{path} not found: {directory} is not a datagen export "
                           "(run datagen export --out DIR first)")

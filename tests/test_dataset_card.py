@@ -90,7 +90,7 @@ def test_the_cards_counts_equal_sql(run_db: str, tmp_path: Path, fmt: str) -> No
     _, body = card_parts(tmp_path)
     card, sql = counts_table(body), sql_counts(run_db)
     assert set(card) == set(RUN) == set(sql)
-    manifest = json.loads((tmp_path / "manifest.json").read_text())
+    manifest = json.loads((tmp_path / "manifest.datagen").read_text())
     for name, figures in card.items():
         rows = file_rows(tmp_path / manifest["datasets"][name]["file"])
         assert figures == {**sql[name], "rows exported": rows,
@@ -120,7 +120,7 @@ def test_the_front_matter_names_each_data_file_and_a_default(run_db: str, tmp_pa
         assert by_name[name]["data_files"] == [{"split": "train", "path": [f"{name}.parquet"]}]
         assert "default" not in by_name[name]
     named = {p for c in meta["configs"] for f in c["data_files"] for p in f["path"]}
-    assert "manifest.json" not in named and all((tmp_path / p).is_file() for p in named)
+    assert "manifest.datagen" not in named and all((tmp_path / p).is_file() for p in named)
 
 
 def test_files_with_different_columns_get_no_combined_default(run_db: str, tmp_path: Path
@@ -162,7 +162,7 @@ def test_a_readme_that_is_not_a_card_is_never_overwritten(run_db: str, tmp_path:
     with pytest.raises(ConfigError, match=r"README\.md that datagen export did not write"):
         export(run_db, "specforge", tmp_path)
     assert mine.read_text(encoding="utf-8") == "# my notes\n"
-    assert not (tmp_path / "manifest.json").exists()
+    assert not (tmp_path / "manifest.datagen").exists()
     mine.unlink()
     assert export(run_db, "specforge", tmp_path) == 0
     assert export(run_db, "parquet", tmp_path) == 0  # its own card is replaced

@@ -135,7 +135,7 @@ def read_jsonl(path: Path) -> list[dict[str, Any]]:
 
 
 def manifest_of(out: Path) -> dict[str, Any]:
-    return dict(json.loads((out / "manifest.json").read_text()))
+    return dict(json.loads((out / "manifest.datagen").read_text()))
 
 
 # -- each format exports and validates --------------------------------------------------
@@ -190,6 +190,18 @@ def test_speculators_ids_masks_and_metadata(produced: Produced, tmp_path: Path) 
     cut = read_jsonl(tmp_path / "cut.speculators.jsonl")
     assert len(cut) == 5 and all(r["metadata"]["sampling"]["max_new_tokens"] == 8 for r in cut)
     assert validate(produced, tmp_path) == 0
+
+
+def test_an_export_made_before_the_manifest_was_renamed_still_validates(
+    produced: Produced, tmp_path: Path
+) -> None:
+    assert export(produced, "speculators", tmp_path) == 0
+    (tmp_path / "manifest.datagen").rename(tmp_path / "manifest.json")  # 0.2.0's name
+    assert validate(produced, tmp_path) == 0
+    # An export into that folder leaves one manifest, under today's name.
+    assert export(produced, "speculators", tmp_path) == 0
+    assert not (tmp_path / "manifest.json").exists()
+    assert manifest_of(tmp_path)["format"] == "speculators"
 
 
 def test_parquet_has_every_column_typed(produced: Produced, tmp_path: Path) -> None:
@@ -396,7 +408,7 @@ def test_out_is_a_file_and_missing_manifest(sqlite_url: str, tmp_path: Path) -> 
     target.write_text("not a directory")
     with pytest.raises(ConfigError, match="exists and is not a directory"):
         run_export(_args("export", "--format", "parquet", "--out", str(target)), settings)
-    with pytest.raises(ConfigError, match=r"manifest\.json not found"):
+    with pytest.raises(ConfigError, match=r"manifest\.datagen not found"):
         run_validate(_args("validate", str(tmp_path)), settings)
 
 

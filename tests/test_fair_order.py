@@ -195,7 +195,7 @@ def test_the_same_seed_on_a_fresh_database_keeps_the_same_ids(
 
     out = tmp_path / "export"
     assert main(["export", "--format", "parquet", "--out", str(out)]) == 0
-    manifest = json.loads((out / "manifest.json").read_text())
+    manifest = json.loads((out / "manifest.datagen").read_text())
     assert {k: manifest["datasets"]["again"][k] for k in ("order", "seed")} == {
         "order": "shuffle", "seed": 5}
     capsys.readouterr()

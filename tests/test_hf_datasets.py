@@ -56,7 +56,7 @@ def test_load_dataset_reads_each_dataset_of_an_export(run_db: str, tmp_path: Pat
                                                       ) -> None:
     out, cache = tmp_path / "export", tmp_path / "cache"
     assert export(run_db, fmt, out) == 0
-    manifest = json.loads((out / "manifest.json").read_text())
+    manifest = json.loads((out / "manifest.datagen").read_text())
     filled = {name: entry for name, entry in manifest["datasets"].items() if entry["exported"]}
     assert set(filled) == {"P3", "R1", "T2"}  # E4 has no row, so no config
     for name, entry in filled.items():
@@ -78,7 +78,7 @@ def test_the_default_config_is_every_dataset_where_the_columns_agree(
 ) -> None:
     out = tmp_path / "export"
     assert export(run_db, fmt, out) == 0
-    manifest = json.loads((out / "manifest.json").read_text())
+    manifest = json.loads((out / "manifest.datagen").read_text())
     ds = load(out, tmp_path / "cache")
     assert ds.num_rows == manifest["totals"]["exported"]
     assert set(ds.column_names) == expected_columns(fmt, "P3")
@@ -98,3 +98,18 @@ def test_specforge_files_whose_columns_differ_are_loaded_one_by_one(run_db: str,
     assert set(ds.column_names) == SPECFORGE | {"tools"}
     with_tools = [t for t in ds["tools"] if t]
     assert with_tools and all(t[0]["function"]["name"] == "lookup" for t in with_tools)
+
+
+def test_every_json_file_of_a_speculators_export_is_data(run_db: str, tmp_path: Path) -> None:
+    # speculators' prepare_data.py --data FOLDER loads every *.json and *.jsonl under the
+    # folder with load_dataset("json"): the manifest must not be one of them.
+    out = tmp_path / "export"
+    assert export(run_db, "speculators", out) == 0
+    manifest = json.loads((out / "manifest.datagen").read_text())
+    files = sorted(str(p) for p in out.rglob("*") if p.suffix in (".json", ".jsonl"))
+    named = {str(out / e["file"]) for e in manifest["datasets"].values()}
+    assert set(files) == named
+    ds = hf.load_dataset("json", data_files=files, split="train",
+                         cache_dir=str(tmp_path / "cache"))
+    assert ds.num_rows == manifest["totals"]["exported"] > 0
+    assert set(ds.column_names) == SPECULATORS
