@@ -38,12 +38,14 @@ from ops.export_card import check_card_free, write_card
 from ops.export_formats import (
     FORMATS,
     REASONS,
+    ROWS,
     Builder,
     LeftOut,
     builder_notes,
     conversation_ends,
     make_builder,
     output_file,
+    rows_for,
 )
 from ops.export_io import LEGACY_MANIFEST, MANIFEST, Sink, open_sink
 from ops.export_rows import ExportRow, count_results, iter_rows, result_counts, snapshot_id
@@ -58,6 +60,9 @@ def add_export_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParse
     p.add_argument("--out", required=True, help="directory to write into (created if absent)")
     p.add_argument("--dataset", action="extend", nargs="+", dest="datasets", metavar="NAME",
                    help="only these datasets (default: all)")
+    p.add_argument("--rows", choices=ROWS, default=None,
+                   help="specforge: a row per conversation (default) or per assistant turn, "
+                        "as SpecForge's expand_reasoning_conversations.py writes them")
     p.add_argument("--allow-empty", action="store_true",
                    help="exit 0 even when a dataset with results gets a file with no row")
     add_quiet_flag(p)
@@ -120,13 +125,14 @@ def write_rows(
 
 
 def export_dataset(
-    store: Store, ds: DatasetRow, fmt: str, out: Path, progress: ProgressBar
+    store: Store, ds: DatasetRow, fmt: str, out: Path, progress: ProgressBar,
+    rows: str | None = None,
 ) -> DatasetExport:
     upto = snapshot_id(store, ds.name)
     path = output_file(out, ds.name, fmt)
     stats = DatasetExport(ds.name, path.name, count_results(store, ds.name, upto), upto,
                           ds.reasoning_open, ds.order)
-    builder = make_builder(fmt, ds, conversation_ends(store, ds, upto))
+    builder = make_builder(fmt, ds, conversation_ends(store, ds, upto), rows)
     stats.notes.update(builder_notes(builder))
     progress.label(ds.name)
     with open_sink(fmt, path) as sink:
@@ -156,11 +162,12 @@ def select_datasets(store: Store, names: list[str] | None) -> list[DatasetRow]:
 
 
 def manifest(fmt: str, database_url: str, stats: list[DatasetExport],
-             allow_empty: bool = False) -> dict[str, Any]:
+             allow_empty: bool = False, rows: str | None = None) -> dict[str, Any]:
     used = sorted({reason for s in stats for reason in s.left_out})
     return {
         "datagen_export": MANIFEST_VERSION,
         "format": fmt,
+        "rows": rows_for(fmt, rows),
         "allow_empty": allow_empty,
         "created_at": datetime.now(UTC).isoformat().replace("+00:00", "Z"),
         "database_url": safe_url(database_url),
@@ -216,13 +223,15 @@ def run_export(args: argparse.Namespace, settings: Settings) -> int:
     out = Path(args.out)
     store = Store(settings.database_url, settings.db_connections)
     datasets = select_datasets(store, args.datasets)
+    rows_for(args.format, args.rows)  # refused before anything is written
     prepare_out(out)
     counts = result_counts(store)
     total = sum(counts.get(ds.name, 0) for ds in datasets)
     with ProgressBar("export", "rows", total, quiet=args.quiet,
                      every_s=settings.progress_every_s) as progress:
-        stats = [export_dataset(store, ds, args.format, out, progress) for ds in datasets]
-    doc = manifest(args.format, settings.database_url, stats, args.allow_empty)
+        stats = [export_dataset(store, ds, args.format, out, progress, args.rows)
+                 for ds in datasets]
+    doc = manifest(args.format, settings.database_url, stats, args.allow_empty, args.rows)
     write_manifest(out, doc)
     write_card(out, store, args.format, doc["created_at"], datasets, stats)
     print("\n".join(summary_lines(args.format, out, stats)))

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
+from common.conversation import turn_id
 from common.conversation_store import latest_turns
 from common.errors import ConfigError
 from common.store import DatasetRow, Store
@@ -23,6 +24,11 @@ from ops.specforge_check import row_error
 from producer.template import _REASONING_MARKERS  # the one opener -> closer table
 
 FORMATS = ("specforge", "speculators", "parquet")
+# What a row is: a whole conversation (SpecForge's regeneration), or one assistant turn
+# (SpecForge's expand_reasoning_conversations.py; a speculators row is always one turn).
+ROWS = ("conversation", "turn")
+# The suffix of a turn row's id, numbered from 0 as SpecForge's expansion numbers them.
+TURN_ROW = "#turn"
 EXTENSIONS = {
     "specforge": "specforge.jsonl",
     "speculators": "speculators.jsonl",
@@ -93,8 +99,11 @@ class SpecForgeBuilder:
     last stored turn (``common.conversation_store.latest_turns``); its earlier turns are
     left out as ``earlier_turn``."""
 
-    def __init__(self, ds: DatasetRow, latest: Mapping[str, int] | None = None) -> None:
+    def __init__(self, ds: DatasetRow, latest: Mapping[str, int] | None = None,
+                 rows: str = "conversation") -> None:
         self.latest = latest or {}
+        self.rows = rows
+        self.turn_samples = ds.turns == "all"
         self.closer = reasoning_close(ds)
         self.flags = {
             "expect_reasoning": self.closer is not None,
@@ -115,7 +124,8 @@ class SpecForgeBuilder:
             return LeftOut("missing_prompt", "no prompt row for this result")
         if not row.sample_id.strip():
             return LeftOut("invalid_id", f"id {row.sample_id!r} is blank")
-        if row.conversation is not None and row.turn is not None \
+        if self.rows == "conversation" and row.conversation is not None \
+                and row.turn is not None \
                 and row.turn < self.latest.get(row.conversation, row.turn):
             return LeftOut("earlier_turn", f"turn {row.turn} of {row.conversation}, "
                            f"carried by turn {self.latest[row.conversation]}")
@@ -136,9 +146,39 @@ class SpecForgeBuilder:
             record["tools"] = row.tools
         error = row_error(record, **self.flags)
         if error is None:
-            return record
+            return record if self.rows == "conversation" else self.turn_row(record, row)
         reason = "think_marker" if "thinking marker" in error else "prompt_breaks_checker"
         return LeftOut(reason, error)
+
+    def turn_row(self, record: dict[str, Any], row: ExportRow) -> dict[str, Any]:
+        """The row of this one assistant turn, as SpecForge's expansion writes it: earlier
+        assistant turns are history, their reasoning emptied (the expansion drops it; an
+        empty string keeps SpecForge's checker satisfied), the last one is trained on."""
+        turns = record["conversations"]
+        history = [{**m, "reasoning_content": ""} if m["role"] == "assistant" else m
+                   for m in turns[:-1]]
+        index = sum(m["role"] == "assistant" for m in history)
+        source = row.conversation or row.sample_id
+        out = {"id": f"{source}{TURN_ROW}{index}", "source_id": source,
+               "assistant_turn_index": index, "status": "success",
+               "conversations": [*history, turns[-1]]}
+        if "tools" in record:
+            out["tools"] = record["tools"]
+        return out
+
+    def sample_id_of(self, record: dict[str, Any]) -> str | None:
+        """The stored sample a row of this builder was made from."""
+        if self.rows == "conversation":
+            return _string(record.get("id"))
+        source, index = _string(record.get("source_id")), record.get("assistant_turn_index")
+        if source is None or not isinstance(index, int) or isinstance(index, bool):
+            return None
+        # A conversation's turn i (from 1) has the model's own i - 1 answers before it.
+        return turn_id(source, index + 1) if self.turn_samples else source
+
+
+def _string(value: Any) -> str | None:
+    return value if isinstance(value, str) else None
 
 
 def _prompt_decoder(ds: DatasetRow) -> tuple[Any, str]:
@@ -230,6 +270,21 @@ class ParquetBuilder:
 AnyBuilder = SpecForgeBuilder | SpeculatorsBuilder | ParquetBuilder
 
 
+# What a row of each format may be, its default first; a parquet row is a stored result.
+_ROWS_OF = {"specforge": ROWS, "speculators": ("turn",), "parquet": ()}
+
+
+def rows_for(fmt: str, rows: str | None) -> str | None:
+    """``--rows`` checked against the format (ConfigError), or the format's default."""
+    allowed = _ROWS_OF.get(fmt, ())
+    if rows is None:
+        return allowed[0] if allowed else None
+    if rows not in allowed:
+        detail = f"use {' or '.join(allowed)}" if allowed else "its rows are stored results"
+        raise ConfigError(f"--rows {rows} does not apply to {fmt}: {detail}")
+    return rows
+
+
 def builder_notes(builder: AnyBuilder) -> dict[str, str]:
     """What the manifest should say about how this dataset's records were made."""
     return {"text": builder.text_note} if isinstance(builder, SpeculatorsBuilder) else {}
@@ -240,12 +295,13 @@ def conversation_ends(store: Store, ds: DatasetRow, upto_id: int) -> dict[str, i
     return latest_turns(store, ds.name, upto_id) if ds.turns == "all" else None
 
 
-def make_builder(fmt: str, ds: DatasetRow, latest: Mapping[str, int] | None = None
-                 ) -> AnyBuilder:
+def make_builder(fmt: str, ds: DatasetRow, latest: Mapping[str, int] | None = None,
+                 rows: str | None = None) -> AnyBuilder:
     """``latest``: each conversation's last stored turn, for SpecForge's one row per
-    conversation."""
+    conversation. ``rows``: ``--rows``, checked by ``rows_for``."""
+    rows = rows_for(fmt, rows)
     if fmt == "specforge":
-        return SpecForgeBuilder(ds, latest)
+        return SpecForgeBuilder(ds, latest, rows or "conversation")
     if fmt == "speculators":
         return SpeculatorsBuilder(ds)
     if fmt == "parquet":

@@ -77,7 +77,7 @@ class DatasetCheck:
 
     def __init__(self, store: Store, directory: Path, fmt: str, name: str,
                  entry: dict[str, Any], findings: Findings, allow_empty: bool = False,
-                 progress: ProgressBar | None = None) -> None:
+                 progress: ProgressBar | None = None, rows: str | None = None) -> None:
         self.store, self.fmt, self.name, self.entry = store, fmt, name, entry
         self.progress = progress or ProgressBar("validate", "rows", None, quiet=True)
         self.allow_empty = allow_empty
@@ -85,7 +85,7 @@ class DatasetCheck:
         self.path = directory / Path(str(entry.get("file", ""))).name
         self.upto = int(entry.get("upto_result_id", 0))
         ds = store.dataset(name)
-        self.builder = make_builder(fmt, ds, conversation_ends(store, ds, self.upto))
+        self.builder = make_builder(fmt, ds, conversation_ends(store, ds, self.upto), rows)
         self.findings = findings
         self.seen: set[str] = set()
         self.records = 0
@@ -142,7 +142,7 @@ class DatasetCheck:
         shape = shape_error(self.fmt, self.builder, record)
         if shape is not None:
             self.findings.mismatch(shape[0], f"{self._where(where)}: {shape[1]}")
-        sid = record_id(self.fmt, record)
+        sid = record_id(self.fmt, self.builder, record)
         if sid is None:
             self.findings.mismatch("no-id", f"{self._where(where)}: no string id")
         elif sid in self.seen:
@@ -251,7 +251,7 @@ def run_validate(args: argparse.Namespace, settings: Settings) -> int:
     progress = ProgressBar("validate", "rows", 0, quiet=args.quiet,
                            every_s=settings.progress_every_s)
     checks = [DatasetCheck(store, directory, fmt, name, doc["datasets"][name], findings,
-                           allow_empty, progress) for name in names]
+                           allow_empty, progress, doc.get("rows")) for name in names]
     for check in checks:
         progress.grow(check.work())
     with progress:

@@ -32,7 +32,10 @@ class Findings:
         return sum(self.counts.values())
 
 
-def record_id(fmt: str, record: dict[str, Any]) -> str | None:
+def record_id(fmt: str, builder: Any, record: dict[str, Any]) -> str | None:
+    """The stored sample a record names (a SpecForge turn row: by its source and turn)."""
+    if isinstance(builder, SpecForgeBuilder):
+        return builder.sample_id_of(record)
     sid = record.get("sample_id" if fmt == "parquet" else "id")
     return sid if isinstance(sid, str) else None
 

@@ -199,6 +199,7 @@ def test_every_turn_is_regenerated_after_the_models_own_answers(
     for key, value in settings.to_env().items():
         monkeypatch.setenv(key, value)
     _check_specforge(store, tmp_path / "export", "talk", LINES)
+    _check_specforge_turn_rows(store, tmp_path / "export", tmp_path / "turns", "talk")
 
 
 def _check_specforge(store: Store, out: Path, dataset: str, lines: list[dict[str, Any]]
@@ -222,6 +223,50 @@ def _check_specforge(store: Store, out: Path, dataset: str, lines: list[dict[str
                 _answer(turn.output_text), _thought(turn.output_text))
         assert ORIGINAL not in json.dumps(row)
     assert main(["validate", str(out)]) == 0
+
+
+def _expanded(row: dict[str, Any]) -> list[dict[str, Any]]:
+    """SpecForge's expand_reasoning_conversations.py on one conversation row, written here
+    from its description: an event per assistant turn, ids from #turn0, the earlier
+    answers as history without their reasoning (emptied, for SpecForge's checker)."""
+    history: list[dict[str, Any]] = []
+    events = []
+    for message in row["conversations"]:
+        if message["role"] != "assistant":
+            history.append(message)
+            continue
+        k = sum(m["role"] == "assistant" for m in history)
+        events.append({"id": f"{row['id'].partition('#turn')[0]}#turn{k}",
+                       "source_id": row["id"].partition("#turn")[0],
+                       "assistant_turn_index": k, "status": "success",
+                       "conversations": [*history, message]})
+        history.append({**message, "reasoning_content": ""})
+    return events
+
+
+def _check_specforge_turn_rows(store: Store, whole: Path, out: Path, dataset: str) -> None:
+    """``--rows turn``: a row per stored turn with an answer, each built from that turn's
+    own prompt, equal to expanding the conversation rows; validate agrees with SQL."""
+    assert main(["export", "--format", "specforge", "--rows", "turn", "--out", str(out)]) == 0
+    rows = {r["id"]: r for r in map(json.loads, (out / f"{dataset}.specforge.jsonl")
+                                    .read_text().splitlines())}
+    by = _turn_rows(store, dataset)
+    answered = {(c, t.turn) for c, turns in by.items() for t in turns
+                if _answer(t.output_text)}
+    assert set(rows) == {f"{c}#turn{turn - 1}" for c, turn in answered}
+    conversations = map(json.loads, (whole / f"{dataset}.specforge.jsonl").read_text()
+                        .splitlines())
+    expanded = [event for row in conversations for event in _expanded(row)]
+    assert expanded and all(rows[e["id"]] == e for e in expanded)
+    manifest = json.loads((out / "manifest.datagen").read_text())
+    assert manifest["rows"] == "turn" and manifest["datasets"][dataset]["exported"] == len(rows)
+    assert main(["validate", str(out)]) == 0
+    # A turn row whose history no longer holds the model's own earlier answer is caught.
+    later = next(r for r in rows.values() if r["assistant_turn_index"] > 0)
+    next(m for m in later["conversations"] if m["role"] == "assistant")["content"] += "!"
+    (out / f"{dataset}.specforge.jsonl").write_text(
+        "".join(json.dumps(r) + "\n" for r in rows.values()))
+    assert main(["validate", str(out)]) == 1
 
 
 def test_a_budget_closing_mid_conversation_starts_no_later_turn(
