@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 from collections.abc import AsyncIterator
 
 from sim.config import SimConfig
@@ -49,6 +50,11 @@ class GpuEngine:
         self._jobs: dict[str, Job] = {}
         self._work = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
+        # Simulated seconds with nothing to run (idle wall time × time_scale): with the
+        # passes' own durations, the server's clock, which the simulator's own Python
+        # overhead does not lengthen.
+        self.idle_s = 0.0
+        self._idle_since: float | None = None
 
     @property
     def running(self) -> list[Job]:
@@ -140,7 +146,10 @@ class GpuEngine:
             step = self.sched.step()
             if step is None:
                 self._work.clear()
+                self._idle_since = time.monotonic()
                 await self._work.wait()
+                self.idle_s += self._idle_now()
+                self._idle_since = None
                 continue
             self._admit(step)
             await asyncio.sleep(step.duration_s / self.cfg.time_scale)
@@ -168,6 +177,16 @@ class GpuEngine:
                 self._end(seq)
 
     # ---- observation ---------------------------------------------------------------------
+
+    def clock_s(self) -> float:
+        """Simulated seconds since the first request: forward passes plus idle time."""
+        return self.sched.stats.clock_s + self.idle_s + self._idle_now()
+
+    def _idle_now(self) -> float:
+        """Simulated seconds of the idle spell going on, if any."""
+        if self._idle_since is None:
+            return 0.0
+        return (time.monotonic() - self._idle_since) * self.cfg.time_scale
 
     def gen_throughput(self) -> float:
         """Output tokens per simulated second over the recent window."""

@@ -67,7 +67,16 @@ class SimState:
             "prompt_tokens": self.prompt_tokens,
             "by_finish": dict(counts),
             "gen_throughput": self.engine.gen_throughput(),
+            **self._physics(),
         }
+
+    def _physics(self) -> dict[str, object]:
+        """GPU physics only (None in fast mode): the simulated server's clock (its passes
+        and idle time) and the requests it retracted."""
+        if not isinstance(self.engine, GpuEngine):
+            return {"clock_s": None, "retracted_reqs_total": None}
+        return {"clock_s": self.engine.clock_s(),
+                "retracted_reqs_total": self.engine.sched.stats.retracted_reqs_total}
 
 
 SIM_KEY: web.AppKey[SimState] = web.AppKey("sim", SimState)

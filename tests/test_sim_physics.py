@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import time
 from collections.abc import Callable, Iterator
 
 import pytest
@@ -227,6 +228,25 @@ def test_gpu_mode_reports_cached_tokens_and_keeps_outputs(gpu: str, fast: str) -
     outs = [requests.post(u + "/generate", json=body, timeout=30).json() for u in (gpu, fast)]
     assert outs[0]["output_ids"] == outs[1]["output_ids"]
     assert outs[0]["meta_info"]["finish_reason"] == outs[1]["meta_info"]["finish_reason"]
+
+
+def test_gpu_mode_clock_counts_passes_and_idle_time_not_its_own_overhead() -> None:
+    cfg = SimConfig(port=0, physics="gpu", time_scale=10.0, mean_output_tokens=40)
+    with SimServer(cfg) as srv:
+        def clock() -> float:
+            return float(requests.get(f"{srv.url}/sim/stats", timeout=10).json()["clock_s"])
+
+        start = clock()
+        meta = generate(srv.url, fresh(100), max_new_tokens=16)
+        after_one = clock()
+        law = PROFILES["reference"].law
+        # One prefill of 100 tokens (its first token), then a decode pass a token.
+        passes = law.prefill_s(100) + (int(meta["completion_tokens"]) - 1) * law.decode_s(1, 100)
+        assert after_one - start >= passes
+        time.sleep(0.5)  # idle: half a second of wall time is 5 simulated seconds
+        assert clock() - after_one >= 0.5 * cfg.time_scale
+    with SimServer(SimConfig(port=0, decode_tok_per_s=0)) as srv:
+        assert requests.get(f"{srv.url}/sim/stats", timeout=10).json()["clock_s"] is None
 
 
 def test_gpu_mode_streams(gpu: str) -> None:
