@@ -84,6 +84,23 @@ def reasoning_close(ds: DatasetRow) -> str | None:
     return closer
 
 
+def dataset_sampling(ds: DatasetRow) -> dict[str, Any]:
+    return {k: v for k, v in ds.sampling.items() if k != "max_new_tokens"}
+
+
+def sent(row: ExportRow, sampling: dict[str, Any], key: str) -> dict[str, Any]:
+    """``{key: the sampling_params the request sent}``, and the chat template arguments
+    drawn for its prompt, if any. A result stored before requests' sampling was recorded
+    was sent its dataset's (``sampling``, mixtures came later) with its prompt's cap."""
+    used = row.sampling
+    if used is None:
+        used = {**sampling, "max_new_tokens": row.max_new_tokens}
+    out: dict[str, Any] = {key: used}
+    if row.template_kwargs:
+        out["chat_template_kwargs"] = row.template_kwargs
+    return out
+
+
 class SpecForgeBuilder:
     """``{"id", "status", "conversations"}`` rows as SpecForge's regeneration writes them.
 
@@ -95,6 +112,7 @@ class SpecForgeBuilder:
 
     def __init__(self, ds: DatasetRow, latest: Mapping[str, int] | None = None) -> None:
         self.latest = latest or {}
+        self.sampling = dataset_sampling(ds)
         self.closer = reasoning_close(ds)
         self.flags = {
             "expect_reasoning": self.closer is not None,
@@ -134,6 +152,7 @@ class SpecForgeBuilder:
         record = {"id": row.sample_id, "status": "success", "conversations": turns}
         if row.tools is not None:
             record["tools"] = row.tools
+        record.update(sent(row, self.sampling, "sampling"))
         error = row_error(record, **self.flags)
         if error is None:
             return record
@@ -170,7 +189,7 @@ class SpeculatorsBuilder:
     def __init__(self, ds: DatasetRow) -> None:
         self.ds = ds
         self.decoder, self.text_note = _prompt_decoder(ds)
-        self.sampling = {k: v for k, v in ds.sampling.items() if k != "max_new_tokens"}
+        self.sampling = dataset_sampling(ds)
 
     def build(self, row: ExportRow) -> dict[str, Any] | LeftOut:
         if row.input_ids is None:
@@ -190,8 +209,7 @@ class SpeculatorsBuilder:
             "prompt_tokens": row.prompt_tokens,
             "completion_tokens": row.completion_tokens,
             "model": row.model,
-            # What the worker sent: the dataset's sampling with the prompt's own cap.
-            "sampling": {**self.sampling, "max_new_tokens": row.max_new_tokens},
+            **sent(row, self.sampling, "sampling_params"),
             "dataset": row.dataset,
             "sample_id": row.sample_id,
         }
@@ -220,6 +238,7 @@ class ParquetBuilder:
             "output_ids": row.output_ids,
             "output_text": row.output_text,
             "e2e_latency_s": row.e2e_latency_s,
+            "sampling": None if row.sampling is None else json.dumps(row.sampling, sort_keys=True),
             "server": row.server,
             "model": row.model,
             "created_at": row.created_at,

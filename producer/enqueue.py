@@ -17,11 +17,13 @@ from collections import deque
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
+from typing import Any
 
 from celery import Celery
 
 from common.audit import queued_in_redis
 from common.conversation_store import queued_later_turns
+from common.draws import draw_id, seed_of
 from common.errors import ConfigError
 from common.ledger import Ledger
 from common.order import Order, rank_key
@@ -30,6 +32,7 @@ from common.reconcile import reconcile_dataset
 from common.rows import NewPrompt, allowance
 from common.sampling_rules import check_sampling
 from common.store import DatasetRow, Store
+from producer.generations import expand
 from producer.plan import DatasetPlan
 from producer.reader import PromptRecord, ReadReport, read_dataset
 from producer.sending import Sender
@@ -117,6 +120,7 @@ class Enqueuer:
         self._failed = False
         self._analyzed = False
         self._orders: dict[str, Order] = {}
+        self._registered: dict[str, DatasetRow] = {}
 
     def run(self, plans: list[DatasetPlan]) -> list[DatasetSummary]:
         for plan in plans:  # all of them before the first is stored
@@ -177,9 +181,13 @@ class Enqueuer:
             turns=plan.turns,
             template_kwargs=self.templater.kwargs,
             order=self._orders[plan.name],
+            mixtures=plan.mixtures,
+            generations=plan.generations,
         )
         if plan.name in self.store.dataset_names():
             old = self.store.dataset(plan.name)
+            if self.store.prompt_counts(plan.name):
+                _refuse_other_draws(old, row)
             if old.turns != row.turns and self.store.prompt_counts(plan.name):
                 raise ConfigError(
                     f"dataset {plan.name} was enqueued with --turns {old.turns}; this run "
@@ -197,11 +205,11 @@ class Enqueuer:
         return self.store.dataset(plan.name)
 
     def _dataset(self, plan: DatasetPlan, summary: DatasetSummary) -> Iterator[bool]:
-        ds = self._register(plan)
+        ds = self._registered[plan.name] = self._register(plan)
         states = self.store.prompt_states(plan.name)
         in_redis = queued_in_redis(self.ledger.redis, plan.name)
         report = ReadReport(dataset=plan.name, files=[str(f) for f in plan.files])
-        records = read_dataset(plan.name, plan.files, report)
+        records = expand(read_dataset(plan.name, plan.files, report), plan.generations, report)
         tool_lines = [0]
         if plan.turns == "all":
             records = first_turns(records, report, tool_lines)
@@ -213,7 +221,7 @@ class Enqueuer:
             # Rendered here, so the tokenizing thread only runs Rust (without the GIL) and
             # the next chunk renders while this one is tokenized.
             fresh, texts = self._render([r for r in chunk if r.sample_id not in states],
-                                        report)
+                                        report, ds)
             encoded = self._tokenizing.submit(self.templater.tokenize, texts)
             lost = self._settle(chunk, states, in_redis, summary)
             self._written.append(self._writing.submit(
@@ -240,14 +248,20 @@ class Enqueuer:
                 self._write, plan, stamp, summary, 0, [], none, lost))
 
     def _render(
-        self, records: list[PromptRecord], report: ReadReport
+        self, records: list[PromptRecord], report: ReadReport, ds: DatasetRow
     ) -> tuple[list[PromptRecord], list[str]]:
         """The records the chat template renders, with their texts; a line it refuses (a
-        role or a tool call it does not take) is a bad line, like one the reader refuses."""
+        role or a tool call it does not take) is a bad line, like one the reader refuses.
+        Each is rendered with the template arguments drawn for it, if its dataset mixes
+        any."""
         kept, texts = [], []
+        mixed = bool(ds.mixtures.template_keys)
         for record in records:
+            templater = self.templater
+            if mixed:
+                templater = templater.variant(template_draw(ds, record))
             try:
-                texts.append(self.templater.render(record.messages, record.tools))
+                texts.append(templater.render(record.messages, record.tools))
             except Exception as exc:  # Jinja's errors, or raise_exception in the template
                 report.bad += 1
                 report.problem(f"{record.source}: the chat template cannot render it: {exc}")
@@ -291,7 +305,8 @@ class Enqueuer:
         fresh: list[PromptRecord], encoded: Future[list[list[int]]], lost: list[str],
         ranks: dict[str, int],
     ) -> _Written:
-        rows = self._prompt_rows(plan, fresh, encoded.result(), ranks)
+        rows = self._prompt_rows(plan, fresh, encoded.result(), ranks,
+                                 self._registered[plan.name])
         self.store.insert_prompts(rows, [c for c in (conversation_row(plan.name, r)
                                                      for r in fresh) if c is not None])
         if rows and not self._analyzed:
@@ -330,8 +345,9 @@ class Enqueuer:
 
     def _prompt_rows(
         self, plan: DatasetPlan, fresh: list[PromptRecord], ids: list[list[int]],
-        ranks: dict[str, int],
+        ranks: dict[str, int], ds: DatasetRow,
     ) -> list[NewPrompt]:
+        mixed = bool(ds.mixtures.template_keys)
         rows = []
         for record, input_ids in zip(fresh, ids, strict=True):
             state, max_new_tokens, error = allowance(len(input_ids), plan.max_new_tokens,
@@ -349,9 +365,32 @@ class Enqueuer:
                 tools=record.tools,
                 **turn_of(record),
                 rank=ranks.get(record.sample_id),
+                template_kwargs=template_draw(ds, record) if mixed else None,
             ))
         return rows
 
 
 def _sample_id(record: PromptRecord) -> str:
     return record.sample_id
+
+
+def template_draw(ds: DatasetRow, record: PromptRecord) -> dict[str, Any]:
+    """The chat template arguments drawn for a record (common/draws.py)."""
+    return ds.mixtures.template(seed_of(ds.order.seed),
+                                draw_id(record.sample_id, record.conversation))
+
+
+def _refuse_other_draws(old: DatasetRow, new: DatasetRow) -> None:
+    """A dataset holding prompts keeps its mixtures and generations: others would draw
+    other samples than those stored, or name them otherwise."""
+    if old.mixtures != new.mixtures:
+        raise ConfigError(
+            f"dataset {old.name} holds prompts drawn with mixtures "
+            f"{old.mixtures.describe() or 'none'}; this run asks for "
+            f"{new.mixtures.describe() or 'none'}. Give the same --mix (or mix table), or "
+            "use a new dataset name.")
+    if old.generations != new.generations:
+        raise ConfigError(
+            f"dataset {old.name} holds {old.generations} generation(s) of each prompt; this "
+            f"run asks for {new.generations}. Use --generations {old.generations} or a new "
+            "dataset name.")
