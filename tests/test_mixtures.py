@@ -173,6 +173,9 @@ def test_three_generations_of_each_prompt(
     with running_worker(env, concurrency=8):
         wait_settled(store, ["gens"])
     assert_invariants(store, Ledger(redis_client), ["gens"])
+    capsys.readouterr()
+    assert main(["retry", "gens", "--temperature", "0.7"]) == 2  # it is drawn, not fixed
+    assert "draws temperature from a mixture" in capsys.readouterr().err
     rows, log = stored_results(store, "gens"), received(env)
     assert set(rows) == ids
     sent = [log[rid] for rid, _ in rows.values()]
@@ -195,5 +198,8 @@ def test_three_generations_of_each_prompt(
             assert all(r["sampling"] == rows[r["id"]][1] for r in exported)
         else:
             assert {r["id"] for r in exported} == ids
+    card = (tmp_path / "speculators" / "README.md").read_text()
+    assert "| drawn per sample | temperature 0.6:1,0.8:1,1.0:1 |" in card
+    assert "| generations per prompt | 3 |" in card
     capsys.readouterr()
 
