@@ -66,10 +66,10 @@ def _add_enqueue(sub: argparse._SubParsersAction) -> None:
                    help="draw KEY per sample from weighted choices, e.g. "
                    "temperature=0.6:1,0.8:1,1.0:1 or reasoning_effort=low:4,medium:4,high:2; "
                    "KEY is a sampling parameter or else a chat template argument; repeatable "
-                   "(default: none)")
+                   "(default: the dataset's stored mixes, else none)")
     p.add_argument("--generations", type=whole(1, MAX_GENERATIONS), default=None,
                    help="independent samples of each prompt, ids <id>_gen0, <id>_gen1, ... "
-                   "when more than 1 (default: 1)")
+                   "when more than 1 (default: the dataset's stored number, else 1)")
 
 
 def build_parser() -> argparse.ArgumentParser:

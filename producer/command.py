@@ -62,7 +62,7 @@ def build_plans(args: argparse.Namespace, settings: Settings) -> list[DatasetPla
         raise ConfigError("--max-new-tokens and --max-seq-len must be positive")
     order = OrderRequest(args.order, args.seed, settings.default_seed)
     draws = Draws(parse_mix_flags(getattr(args, "mix", None)),
-                  getattr(args, "generations", None) or 1)
+                  getattr(args, "generations", None))
     if args.manifest:
         return plans_from_manifest(args.manifest, budget, _sampling(args), args.max_new_tokens,
                                    args.turns, order, draws)
@@ -80,7 +80,7 @@ def run_enqueue(args: argparse.Namespace, settings: Settings) -> int:
     store, ledger = connect(settings)
     app = make_celery(settings)
     # Counted in prompts made: each line makes one per generation.
-    total = sum(count_lines(f) * p.generations for p in plans for f in p.files)
+    total = sum(count_lines(f) * (p.generations or 1) for p in plans for f in p.files)
     started = time.monotonic()
     with ProgressBar("enqueue", "lines", total, quiet=args.quiet,
                      every_s=settings.progress_every_s) as bar:

@@ -23,7 +23,7 @@ from celery import Celery
 
 from common.audit import queued_in_redis
 from common.conversation_store import queued_later_turns
-from common.draws import draw_id, seed_of
+from common.draws import Mixtures, draw_id, seed_of
 from common.errors import ConfigError
 from common.ledger import Ledger
 from common.order import Order, rank_key
@@ -169,11 +169,22 @@ class Enqueuer:
         stored = self.store.dataset(plan.name).order
         return plan.order.resolve(plan.name, stored, bool(self.store.prompt_counts(plan.name)))
 
+    def _draws(self, plan: DatasetPlan) -> tuple[Mixtures, int]:
+        """The dataset's mixtures and generations: the stored ones where the run gives
+        none and the dataset holds prompts (``_refuse_other_draws`` checks the others)."""
+        if plan.name in self.store.dataset_names() and self.store.prompt_counts(plan.name):
+            old = self.store.dataset(plan.name)
+            return plan.mixtures or old.mixtures, plan.generations or old.generations
+        return plan.mixtures, plan.generations or 1
+
     def _register(self, plan: DatasetPlan) -> DatasetRow:
+        mixtures, generations = self._draws(plan)
+        # A mixed key is drawn per sample, never sent as a fixed value.
+        fixed = {k: v for k, v in plan.sampling.items() if k not in mixtures.choices}
         row = DatasetRow(
             name=plan.name,
             budget=plan.budget,
-            sampling={**plan.sampling, "max_new_tokens": plan.max_new_tokens},
+            sampling={**fixed, "max_new_tokens": plan.max_new_tokens},
             max_seq_len=self.limits.max_seq_len,
             tokenizer=self.templater.name,
             template_hash=self.templater.template_hash,
@@ -181,8 +192,8 @@ class Enqueuer:
             turns=plan.turns,
             template_kwargs=self.templater.kwargs,
             order=self._orders[plan.name],
-            mixtures=plan.mixtures,
-            generations=plan.generations,
+            mixtures=mixtures,
+            generations=generations,
         )
         if plan.name in self.store.dataset_names():
             old = self.store.dataset(plan.name)
@@ -209,7 +220,7 @@ class Enqueuer:
         states = self.store.prompt_states(plan.name)
         in_redis = queued_in_redis(self.ledger.redis, plan.name)
         report = ReadReport(dataset=plan.name, files=[str(f) for f in plan.files])
-        records = expand(read_dataset(plan.name, plan.files, report), plan.generations, report)
+        records = expand(read_dataset(plan.name, plan.files, report), ds.generations, report)
         tool_lines = [0]
         if plan.turns == "all":
             records = first_turns(records, report, tool_lines)
@@ -388,9 +399,9 @@ def _refuse_other_draws(old: DatasetRow, new: DatasetRow) -> None:
             f"dataset {old.name} holds prompts drawn with mixtures "
             f"{old.mixtures.describe() or 'none'}; this run asks for "
             f"{new.mixtures.describe() or 'none'}. Give the same --mix (or mix table), or "
-            "use a new dataset name.")
+            "none (the stored mixtures are kept), or use a new dataset name.")
     if old.generations != new.generations:
         raise ConfigError(
             f"dataset {old.name} holds {old.generations} generation(s) of each prompt; this "
-            f"run asks for {new.generations}. Use --generations {old.generations} or a new "
-            "dataset name.")
+            f"run asks for {new.generations}. Leave out --generations (the stored number is "
+            "kept) or use a new dataset name.")

@@ -33,7 +33,7 @@ class DatasetPlan:
     turns: str = "last"  # "all": every assistant turn regenerated (common/conversation.py)
     order: OrderRequest = field(default_factory=OrderRequest)
     mixtures: Mixtures = field(default_factory=Mixtures)  # common/draws.py
-    generations: int = 1
+    generations: int | None = None  # None: the dataset's stored number, else 1
 
 
 @dataclass(frozen=True)
@@ -41,7 +41,7 @@ class Draws:
     """What the flags say of each sample's draws: its mixtures, and its generations."""
 
     mixtures: Mixtures = field(default_factory=Mixtures)
-    generations: int = 1
+    generations: int | None = None
 
 
 def plans_from_paths(
@@ -139,8 +139,8 @@ def _plan_from_table(
         raise ConfigError(f"{where}: turns must be one of {', '.join(TURN_MODES)} "
                           f"(got {mode!r})")
     mixtures = _mixtures_from_table(where, spec, fixed, draws.mixtures)
-    generations = check_generations(spec.get("generations", draws.generations),
-                                    f"{where}: generations")
+    generations = (check_generations(spec["generations"], f"{where}: generations")
+                   if "generations" in spec else draws.generations)
     return DatasetPlan(name, tuple(files), terms, _fixed(fixed, mixtures), max_new_tokens, mode,
                        _order_from_table(where, spec, order), mixtures, generations)
 

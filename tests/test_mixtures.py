@@ -92,7 +92,7 @@ def test_a_temperature_mixture_is_drawn_once_sent_and_stored(
     capsys.readouterr()
     assert enqueue(path, "--mix", "temperature=0.6:1,0.8:1") == 2  # it would re-draw
     assert "mixtures temperature 0.6:1,0.8:1,1.0:1" in capsys.readouterr().err
-    assert enqueue(path, "--mix", TEMPERATURES) == 0  # the stored seed, the same mixture
+    assert enqueue(path) == 0  # the stored seed and mixture, without saying them
     with running_worker(env, concurrency=16):
         wait_settled(store, ["mix"], timeout_s=300)
     assert_invariants(store, Ledger(redis_client), ["mix"])
@@ -169,6 +169,8 @@ def test_three_generations_of_each_prompt(
     capsys.readouterr()
     assert enqueue(path, "--generations", "2", "--mix", TEMPERATURES) == 2
     assert "holds 3 generation(s)" in capsys.readouterr().err
+    assert enqueue(path) == 0  # the stored generations and mixture, without saying them
+    assert len(store.prompt_states("gens")) == 3 * n
 
     with running_worker(env, concurrency=8):
         wait_settled(store, ["gens"])
