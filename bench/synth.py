@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import math
 import random
+from collections.abc import Sequence
 from functools import cache
 from pathlib import Path
 
@@ -24,7 +25,8 @@ from common.order import OrderKind, OrderRequest
 from common.settings import Settings
 from common.store import Store
 from producer.enqueue import DatasetSummary, Enqueuer, Limits
-from producer.plan import DEFAULT_SAMPLING, plans_from_paths
+from producer.mixes import parse_mix_flags
+from producer.plan import DEFAULT_SAMPLING, Draws, plans_from_paths
 from producer.template import BUNDLED_TOKENIZER, ChatTemplater
 
 REFERENCE_TOTAL = 88_088
@@ -132,13 +134,15 @@ def templater() -> ChatTemplater:
 
 def enqueue(settings: Settings, folder: Path, budget: Budget | None = None,
             max_new_tokens: int = 1024, max_seq_len: int = 32768,
-            order: OrderKind | None = None) -> list[DatasetSummary]:
+            order: OrderKind | None = None, mixes: Sequence[str] = ()
+            ) -> list[DatasetSummary]:
     """``datagen enqueue FOLDER`` in this process (the tokenizer is loaded once per process);
-    ``order``: its ``--order`` (default shuffle)."""
+    ``order``: its ``--order`` (default shuffle); ``mixes``: its ``--mix`` flags."""
     import redis
 
     plans = plans_from_paths([str(folder)], budget or Budget(), dict(DEFAULT_SAMPLING),
-                             max_new_tokens, order=OrderRequest(order))
+                             max_new_tokens, order=OrderRequest(order),
+                             draws=Draws(parse_mix_flags(list(mixes))))
     store = Store(settings.database_url)
     ledger = Ledger(redis.Redis.from_url(settings.redis_url))
     app = make_celery(settings)

@@ -27,6 +27,8 @@ class NewPrompt:
     conversation: str | None = None  # a turn of this conversation (common/conversation.py)
     turn: int | None = None
     rank: int | None = None  # its place in the dataset's publishing order (common/order.py)
+    # The chat template arguments drawn for it (common/draws.py), rendered into its ids.
+    template_kwargs: dict[str, Any] | None = None
 
 
 def allowance(prompt_tokens: int, max_new_tokens: int, max_seq_len: int
@@ -70,6 +72,7 @@ class ResultRow:
     reasoning_tokens: int = 0
     finish_detail: dict[str, Any] | None = field(default=None)
     e2e_latency_s: float | None = None
+    sampling: dict[str, Any] | None = None  # the sampling_params its request was sent with
 
     @property
     def key(self) -> tuple[str, str]:

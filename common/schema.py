@@ -3,8 +3,9 @@
 Tables:
   meta      facts about the database itself, one row each: today its ``store_id``, which
             the Redis holding its queues and ledgers records (common/pairing.py).
-  datasets  one row per dataset: its budget terms, sampling, tokenizer, publishing order
-            (``sample_order`` and ``seed``, common/order.py), and its close.
+  datasets  one row per dataset: its budget terms, sampling and sampling mixtures
+            (common/draws.py), tokenizer, publishing order (``sample_order`` and ``seed``,
+            common/order.py), generations per prompt, and its close.
   prompts   one row per (dataset, sample_id): its state (queued, done, failed, skipped),
             attempts and last error, its length and token allowance, and its ``rank``
             in the dataset's publishing order.
@@ -69,6 +70,10 @@ datasets = sa.Table(
     # before orders existed was published in file order.
     sa.Column("sample_order", sa.String(16), nullable=False, server_default="file"),
     sa.Column("seed", sa.BigInteger),
+    # common/draws.py: each mixed key's choices and weights; NULL for none.
+    sa.Column("mixtures", sa.JSON(none_as_null=True)),
+    # Samples of each prompt (``--generations``); NULL for one, ids without a suffix.
+    sa.Column("generations", sa.Integer),
     # The value every task of the dataset is stamped with, new at creation and at each
     # reopen: workers keep revoked stamps in memory for their whole life, so a dataset
     # reopened (or recreated under the same name) must not match an old revoke.
@@ -114,6 +119,9 @@ prompt_inputs = sa.Table(
     # for a prompt of its own.
     sa.Column("conversation", sa.String(200)),
     sa.Column("turn", sa.Integer),
+    # The chat template arguments drawn for this prompt (common/draws.py), rendered into
+    # its ids; NULL when the dataset mixes none.
+    sa.Column("template_kwargs", sa.JSON(none_as_null=True)),
     sa.Index("ix_prompt_inputs_conversation", "dataset", "conversation", "turn"),
 )
 
@@ -128,7 +136,9 @@ INPUT_COLUMNS = ("messages", "input_ids")
 ADDED_COLUMNS = (
     ("prompt_inputs", "tools"), ("prompt_inputs", "conversation"), ("prompt_inputs", "turn"),
     ("datasets", "turns"), ("datasets", "template_kwargs"), ("datasets", "sample_order"),
-    ("datasets", "seed"), ("prompts", "rank"),
+    ("datasets", "seed"), ("prompts", "rank"), ("datasets", "mixtures"),
+    ("datasets", "generations"), ("prompt_inputs", "template_kwargs"),
+    ("results", "sampling"),
 )
 # Indexes on added columns, created with them (create_all makes them for a new table only).
 ADDED_INDEXES = ("ix_prompt_inputs_conversation",)
@@ -149,6 +159,9 @@ results = sa.Table(
     sa.Column("output_ids", TokenIds, nullable=False),
     sa.Column("output_text", sa.Text, nullable=False),
     sa.Column("e2e_latency_s", sa.Float),
+    # The sampling_params sent with the request that made it; NULL for a result stored
+    # before they were recorded (the dataset's sampling then).
+    sa.Column("sampling", sa.JSON(none_as_null=True)),
     sa.Column("server", sa.String(500), nullable=False),
     sa.Column("model", sa.String(500), nullable=False),
     sa.Column("created_at", sa.DateTime(timezone=True), nullable=False, default=utcnow),

@@ -18,6 +18,7 @@ are sorted here:
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import threading
@@ -59,6 +60,7 @@ class Completion:
     finish_type: str
     finish_detail: dict[str, Any]
     e2e_latency_s: float | None
+    sampling_params: dict[str, Any] | None = None  # as sent; None where not known
 
 
 def _error_message(resp: requests.Response) -> str:
@@ -214,7 +216,8 @@ class SGLangClient:
             body = resp.json()
         except ValueError as exc:
             raise TransientError(f"{server}: answer is not JSON", server=server) from exc
-        return parse_completion(body, rid, server)
+        return dataclasses.replace(parse_completion(body, rid, server),
+                                   sampling_params=sampling_params)
 
     def abort(self, rid: str) -> None:
         self.abort_many([rid])

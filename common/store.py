@@ -14,6 +14,7 @@ import sqlalchemy as sa
 
 from common.budget import Budget
 from common.db import insert_ignore, make_engine
+from common.draws import Mixtures
 from common.errors import UnknownDatasetError
 from common.order import Order
 from common.rows import NewConversation, NewPrompt, ResultRow
@@ -39,6 +40,8 @@ class DatasetRow:
     turns: str = "last"  # "all": each conversation regenerated turn by turn
     template_kwargs: dict[str, Any] | None = None
     order: Order = field(default_factory=Order)
+    mixtures: Mixtures = field(default_factory=Mixtures)
+    generations: int = 1  # samples of each prompt, ``<id>_gen<k>`` when more than one
 
 
 @dataclass(frozen=True)
@@ -50,6 +53,7 @@ class PromptRow:
     prompt_tokens: int
     max_new_tokens: int
     attempts: int
+    conversation: str | None = None  # a turn of this conversation (``--turns all``)
 
 
 def new_stamp(name: str) -> str:
@@ -80,6 +84,8 @@ def _dataset_row(r: sa.Row[Any]) -> DatasetRow:
         turns=r.turns or "last",
         template_kwargs=r.template_kwargs,
         order=Order(r.sample_order, r.seed),
+        mixtures=Mixtures.from_json(r.mixtures),
+        generations=r.generations or 1,
     )
 
 
@@ -138,6 +144,7 @@ def _prompts_read(n: int) -> sa.Select[Any]:
     return sa.select(
         prompts.c.dataset, prompts.c.sample_id, prompts.c.state, prompt_inputs.c.input_ids,
         prompts.c.prompt_tokens, prompts.c.max_new_tokens, prompts.c.attempts,
+        prompt_inputs.c.conversation,
     ).join(prompt_inputs, sa.and_(prompt_inputs.c.dataset == prompts.c.dataset,
                                   prompt_inputs.c.sample_id == prompts.c.sample_id),
            ).where(by_keys(prompts, n))
@@ -213,6 +220,8 @@ class Store:
             "template_kwargs": row.template_kwargs or None,
             "sample_order": row.order.kind,
             "seed": row.order.seed,
+            "mixtures": row.mixtures.to_json(),
+            "generations": row.generations if row.generations > 1 else None,
             "updated_at": utcnow(),
         }
         with self.engine.begin() as conn:

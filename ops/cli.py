@@ -21,6 +21,7 @@ from ops.argtypes import Parser, add_quiet_flag, whole
 
 def _add_enqueue(sub: argparse._SubParsersAction) -> None:
     from common.order import MAX_SEED, ORDERS
+    from producer.generations import MAX_GENERATIONS
     from producer.plan import DEFAULT_SAMPLING
 
     p = sub.add_parser("enqueue", help="template, store and enqueue prompt files")
@@ -59,8 +60,16 @@ def _add_enqueue(sub: argparse._SubParsersAction) -> None:
                    "so a budget keeps a uniform random subset) or file (the head of the file "
                    "first) (default: the dataset's stored order, else shuffle)")
     p.add_argument("--seed", type=whole(0, MAX_SEED), default=None,
-                   help="seed of the shuffle (default: the dataset's stored seed, else "
-                   "DATAGEN_DEFAULT_SEED, 0)")
+                   help="seed of the shuffle and of the mixtures' draws (default: the "
+                   "dataset's stored seed, else DATAGEN_DEFAULT_SEED, 0)")
+    p.add_argument("--mix", action="append", metavar="KEY=VALUE:WEIGHT,...",
+                   help="draw KEY per sample from weighted choices, e.g. "
+                   "temperature=0.6:1,0.8:1,1.0:1 or reasoning_effort=low:4,medium:4,high:2; "
+                   "KEY is a sampling parameter or else a chat template argument; repeatable "
+                   "(default: the dataset's stored mixes, else none)")
+    p.add_argument("--generations", type=whole(1, MAX_GENERATIONS), default=None,
+                   help="independent samples of each prompt, ids <id>_gen0, <id>_gen1, ... "
+                   "when more than 1 (default: the dataset's stored number, else 1)")
 
 
 def build_parser() -> argparse.ArgumentParser:

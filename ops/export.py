@@ -80,6 +80,9 @@ class DatasetExport:
     reasoning_open: str | None
     # The dataset's publishing order, which decided the samples its budget kept.
     order: Order = field(default_factory=Order)
+    # Its sampling mixtures (common/draws.py, null for none) and samples of each prompt.
+    mixtures: dict[str, list[dict[str, Any]]] | None = None
+    generations: int = 1
     exported: int = 0
     left_out: Counter[str] = field(default_factory=Counter)
     examples: list[dict[str, str]] = field(default_factory=list)
@@ -104,6 +107,8 @@ class DatasetExport:
             "reasoning_open": self.reasoning_open,
             "order": self.order.kind,
             "seed": self.order.seed,
+            "mixtures": self.mixtures,
+            "generations": self.generations,
             **self.notes,
         }
 
@@ -131,7 +136,8 @@ def export_dataset(
     upto = snapshot_id(store, ds.name)
     path = output_file(out, ds.name, fmt)
     stats = DatasetExport(ds.name, path.name, count_results(store, ds.name, upto), upto,
-                          ds.reasoning_open, ds.order)
+                          ds.reasoning_open, ds.order, ds.mixtures.to_json(),
+                          ds.generations)
     builder = make_builder(fmt, ds, conversation_ends(store, ds, upto), rows)
     stats.notes.update(builder_notes(builder))
     progress.label(ds.name)

@@ -179,7 +179,10 @@ def dataset_section(ds: DatasetRow, s: DatasetExport, fact: RunFacts) -> list[st
     models = ", ".join(f"`{m}` ({n:,})" for m, n in fact.models.most_common()) or "none yet"
     rows = [("file", f"`{s.file}`"), ("model", models), ("tokenizer", f"`{ds.tokenizer}`"),
             ("chat template hash", f"`{ds.template_hash}`"),
-            ("sampling", _sampling(ds.sampling)), ("max_seq_len", f"{ds.max_seq_len:,}"),
+            ("sampling", _sampling(ds.sampling)),
+            *((("drawn per sample", ds.mixtures.describe()),) if ds.mixtures else ()),
+            *((("generations per prompt", str(ds.generations)),) if ds.generations > 1 else ()),
+            ("max_seq_len", f"{ds.max_seq_len:,}"),
             ("budget", _budget(ds)), ("state", _state(ds)),
             ("finish reasons", _finish(fact.finish))]
     return [f"### {ds.name}", "", *_table(("", ""), rows), ""]

@@ -90,6 +90,23 @@ def reasoning_close(ds: DatasetRow) -> str | None:
     return closer
 
 
+def dataset_sampling(ds: DatasetRow) -> dict[str, Any]:
+    return {k: v for k, v in ds.sampling.items() if k != "max_new_tokens"}
+
+
+def sent(row: ExportRow, sampling: dict[str, Any], key: str) -> dict[str, Any]:
+    """``{key: the sampling_params the request sent}``, and the chat template arguments
+    drawn for its prompt, if any. A result stored before requests' sampling was recorded
+    was sent its dataset's (``sampling``, mixtures came later) with its prompt's cap."""
+    used = row.sampling
+    if used is None:
+        used = {**sampling, "max_new_tokens": row.max_new_tokens}
+    out: dict[str, Any] = {key: used}
+    if row.template_kwargs:
+        out["chat_template_kwargs"] = row.template_kwargs
+    return out
+
+
 class SpecForgeBuilder:
     """``{"id", "status", "conversations"}`` rows as SpecForge's regeneration writes them.
 
@@ -104,6 +121,7 @@ class SpecForgeBuilder:
         self.latest = latest or {}
         self.rows = rows
         self.turn_samples = ds.turns == "all"
+        self.sampling = dataset_sampling(ds)
         self.closer = reasoning_close(ds)
         self.flags = {
             "expect_reasoning": self.closer is not None,
@@ -144,6 +162,7 @@ class SpecForgeBuilder:
         record = {"id": row.sample_id, "status": "success", "conversations": turns}
         if row.tools is not None:
             record["tools"] = row.tools
+        record.update(sent(row, self.sampling, "sampling"))
         error = row_error(record, **self.flags)
         if error is None:
             return record if self.rows == "conversation" else self.turn_row(record, row)
@@ -162,8 +181,8 @@ class SpecForgeBuilder:
         out = {"id": f"{source}{TURN_ROW}{index}", "source_id": source,
                "assistant_turn_index": index, "status": "success",
                "conversations": [*history, turns[-1]]}
-        if "tools" in record:
-            out["tools"] = record["tools"]
+        # What else the row carries (tools, the sampling sent) stays as it is.
+        out.update((k, v) for k, v in record.items() if k not in out)
         return out
 
     def sample_id_of(self, record: dict[str, Any]) -> str | None:
@@ -210,7 +229,7 @@ class SpeculatorsBuilder:
     def __init__(self, ds: DatasetRow) -> None:
         self.ds = ds
         self.decoder, self.text_note = _prompt_decoder(ds)
-        self.sampling = {k: v for k, v in ds.sampling.items() if k != "max_new_tokens"}
+        self.sampling = dataset_sampling(ds)
 
     def build(self, row: ExportRow) -> dict[str, Any] | LeftOut:
         if row.input_ids is None:
@@ -230,8 +249,7 @@ class SpeculatorsBuilder:
             "prompt_tokens": row.prompt_tokens,
             "completion_tokens": row.completion_tokens,
             "model": row.model,
-            # What the worker sent: the dataset's sampling with the prompt's own cap.
-            "sampling": {**self.sampling, "max_new_tokens": row.max_new_tokens},
+            **sent(row, self.sampling, "sampling_params"),
             "dataset": row.dataset,
             "sample_id": row.sample_id,
         }
@@ -260,6 +278,7 @@ class ParquetBuilder:
             "output_ids": row.output_ids,
             "output_text": row.output_text,
             "e2e_latency_s": row.e2e_latency_s,
+            "sampling": None if row.sampling is None else json.dumps(row.sampling, sort_keys=True),
             "server": row.server,
             "model": row.model,
             "created_at": row.created_at,

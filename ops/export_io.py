@@ -51,6 +51,7 @@ def parquet_schema() -> pa.Schema:
         pa.field("output_ids", ids, nullable=False),
         pa.field("output_text", pa.string(), nullable=False),
         pa.field("e2e_latency_s", pa.float64()),
+        pa.field("sampling", pa.string()),  # JSON text; null for a result stored before
         pa.field("server", pa.string(), nullable=False),
         pa.field("model", pa.string(), nullable=False),
         pa.field("created_at", pa.timestamp("us", tz="UTC"), nullable=False),

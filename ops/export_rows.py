@@ -50,6 +50,8 @@ class ExportRow:
     tools: list[dict[str, Any]] | None = None  # the prompt's function schemas, if any
     conversation: str | None = None  # a turn of this conversation (``--turns all``)
     turn: int | None = None
+    sampling: dict[str, Any] | None = None  # the sampling_params sent; None if not stored
+    template_kwargs: dict[str, Any] | None = None  # chat template arguments drawn
 
 
 RESULT_COLUMNS: tuple[str, ...] = tuple(c.name for c in results.columns)
@@ -65,6 +67,7 @@ def _select() -> sa.Select[Any]:
         prompt_inputs.c.tools,
         prompt_inputs.c.conversation,
         prompt_inputs.c.turn,
+        prompt_inputs.c.template_kwargs,
     ).select_from(
         results.outerjoin(
             prompt_inputs,

@@ -16,6 +16,7 @@ from typing import Any
 
 from common.audit import not_in, queued_in_redis
 from common.celery_app import make_celery
+from common.errors import ConfigError
 from common.failures import STOPPED, requeue_failed, unsendable_failures
 from common.ledger import Ledger
 from common.publish import Publisher
@@ -43,6 +44,11 @@ def run_retry(args: argparse.Namespace, settings: Settings) -> int:
     fixed = sampling_flags(args)
     store, ledger = connect(settings)
     ds = store.dataset(args.name)
+    mixed = sorted(set(fixed) & set(ds.mixtures.choices))
+    if mixed:
+        # Its samples draw the key: a fixed value would never be sent.
+        raise ConfigError(f"dataset {ds.name} draws {', '.join(mixed)} from a mixture "
+                          f"({ds.mixtures.describe()}); retry cannot fix it")
     reconcile_dataset(store, ledger, ds.name)  # a Redis that lost the ledger learns the stop
     if fixed:
         store.set_sampling(ds.name, {**ds.sampling, **fixed})

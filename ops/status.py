@@ -96,6 +96,9 @@ class DatasetStatus:
     # Its publishing order (common/order.py): "shuffle" with its seed, or "file" (seed null).
     order: str = "shuffle"
     seed: int | None = 0
+    # Its sampling mixtures (common/draws.py), null for none; samples of each prompt.
+    mixtures: dict[str, list[dict[str, Any]]] | None = None
+    generations: int = 1
 
 
 @dataclass(frozen=True)
@@ -182,6 +185,8 @@ def _row(ds: DatasetRow, counts: dict[str, int], led: LedgerState, sums: ResultS
         conversations=None if chats is None else asdict(chats),
         order=ds.order.kind,
         seed=ds.order.seed,
+        mixtures=ds.mixtures.to_json(),
+        generations=ds.generations,
     )
 
 

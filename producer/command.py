@@ -21,7 +21,14 @@ from common.sampling_rules import sampling_flags
 from common.services import connect
 from common.settings import Settings
 from producer.enqueue import DatasetSummary, Enqueuer, Limits
-from producer.plan import DEFAULT_SAMPLING, DatasetPlan, plans_from_manifest, plans_from_paths
+from producer.mixes import parse_mix_flags
+from producer.plan import (
+    DEFAULT_SAMPLING,
+    DatasetPlan,
+    Draws,
+    plans_from_manifest,
+    plans_from_paths,
+)
 from producer.template import BUNDLED_TOKENIZER, ChatTemplater
 
 MAX_PROBLEMS_SHOWN = 20
@@ -54,13 +61,15 @@ def build_plans(args: argparse.Namespace, settings: Settings) -> list[DatasetPla
     if args.max_new_tokens <= 0 or args.max_seq_len <= 1:
         raise ConfigError("--max-new-tokens and --max-seq-len must be positive")
     order = OrderRequest(args.order, args.seed, settings.default_seed)
+    draws = Draws(parse_mix_flags(getattr(args, "mix", None)),
+                  getattr(args, "generations", None))
     if args.manifest:
         return plans_from_manifest(args.manifest, budget, _sampling(args), args.max_new_tokens,
-                                   args.turns, order)
+                                   args.turns, order, draws)
     if not args.paths:
         raise ConfigError("give prompt files or folders, or --manifest FILE")
     return plans_from_paths(args.paths, budget, _sampling(args), args.max_new_tokens,
-                            args.turns, order)
+                            args.turns, order, draws)
 
 
 def run_enqueue(args: argparse.Namespace, settings: Settings) -> int:
@@ -70,7 +79,8 @@ def run_enqueue(args: argparse.Namespace, settings: Settings) -> int:
     templater = ChatTemplater(tokenizer, _template_kwargs(args.chat_template_kwargs), trust)
     store, ledger = connect(settings)
     app = make_celery(settings)
-    total = sum(count_lines(f) for p in plans for f in p.files)
+    # Counted in prompts made: each line makes one per generation.
+    total = sum(count_lines(f) * (p.generations or 1) for p in plans for f in p.files)
     started = time.monotonic()
     with ProgressBar("enqueue", "lines", total, quiet=args.quiet,
                      every_s=settings.progress_every_s) as bar:

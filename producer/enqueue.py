@@ -17,11 +17,13 @@ from collections import deque
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
+from typing import Any
 
 from celery import Celery
 
 from common.audit import queued_in_redis
 from common.conversation_store import queued_later_turns
+from common.draws import Mixtures, draw_id, seed_of
 from common.errors import ConfigError
 from common.ledger import Ledger
 from common.order import Order, rank_key
@@ -30,6 +32,7 @@ from common.reconcile import reconcile_dataset
 from common.rows import NewPrompt, allowance
 from common.sampling_rules import check_sampling
 from common.store import DatasetRow, Store
+from producer.generations import expand
 from producer.plan import DatasetPlan
 from producer.reader import PromptRecord, ReadReport, read_dataset
 from producer.sending import Sender
@@ -117,6 +120,7 @@ class Enqueuer:
         self._failed = False
         self._analyzed = False
         self._orders: dict[str, Order] = {}
+        self._registered: dict[str, DatasetRow] = {}
 
     def run(self, plans: list[DatasetPlan]) -> list[DatasetSummary]:
         for plan in plans:  # all of them before the first is stored
@@ -165,11 +169,22 @@ class Enqueuer:
         stored = self.store.dataset(plan.name).order
         return plan.order.resolve(plan.name, stored, bool(self.store.prompt_counts(plan.name)))
 
+    def _draws(self, plan: DatasetPlan) -> tuple[Mixtures, int]:
+        """The dataset's mixtures and generations: the stored ones where the run gives
+        none and the dataset holds prompts (``_refuse_other_draws`` checks the others)."""
+        if plan.name in self.store.dataset_names() and self.store.prompt_counts(plan.name):
+            old = self.store.dataset(plan.name)
+            return plan.mixtures or old.mixtures, plan.generations or old.generations
+        return plan.mixtures, plan.generations or 1
+
     def _register(self, plan: DatasetPlan) -> DatasetRow:
+        mixtures, generations = self._draws(plan)
+        # A mixed key is drawn per sample, never sent as a fixed value.
+        fixed = {k: v for k, v in plan.sampling.items() if k not in mixtures.choices}
         row = DatasetRow(
             name=plan.name,
             budget=plan.budget,
-            sampling={**plan.sampling, "max_new_tokens": plan.max_new_tokens},
+            sampling={**fixed, "max_new_tokens": plan.max_new_tokens},
             max_seq_len=self.limits.max_seq_len,
             tokenizer=self.templater.name,
             template_hash=self.templater.template_hash,
@@ -177,9 +192,13 @@ class Enqueuer:
             turns=plan.turns,
             template_kwargs=self.templater.kwargs,
             order=self._orders[plan.name],
+            mixtures=mixtures,
+            generations=generations,
         )
         if plan.name in self.store.dataset_names():
             old = self.store.dataset(plan.name)
+            if self.store.prompt_counts(plan.name):
+                _refuse_other_draws(old, row)
             if old.turns != row.turns and self.store.prompt_counts(plan.name):
                 raise ConfigError(
                     f"dataset {plan.name} was enqueued with --turns {old.turns}; this run "
@@ -197,11 +216,11 @@ class Enqueuer:
         return self.store.dataset(plan.name)
 
     def _dataset(self, plan: DatasetPlan, summary: DatasetSummary) -> Iterator[bool]:
-        ds = self._register(plan)
+        ds = self._registered[plan.name] = self._register(plan)
         states = self.store.prompt_states(plan.name)
         in_redis = queued_in_redis(self.ledger.redis, plan.name)
         report = ReadReport(dataset=plan.name, files=[str(f) for f in plan.files])
-        records = read_dataset(plan.name, plan.files, report)
+        records = expand(read_dataset(plan.name, plan.files, report), ds.generations, report)
         tool_lines = [0]
         if plan.turns == "all":
             records = first_turns(records, report, tool_lines)
@@ -213,7 +232,7 @@ class Enqueuer:
             # Rendered here, so the tokenizing thread only runs Rust (without the GIL) and
             # the next chunk renders while this one is tokenized.
             fresh, texts = self._render([r for r in chunk if r.sample_id not in states],
-                                        report)
+                                        report, ds)
             encoded = self._tokenizing.submit(self.templater.tokenize, texts)
             lost = self._settle(chunk, states, in_redis, summary)
             self._written.append(self._writing.submit(
@@ -240,14 +259,20 @@ class Enqueuer:
                 self._write, plan, stamp, summary, 0, [], none, lost))
 
     def _render(
-        self, records: list[PromptRecord], report: ReadReport
+        self, records: list[PromptRecord], report: ReadReport, ds: DatasetRow
     ) -> tuple[list[PromptRecord], list[str]]:
         """The records the chat template renders, with their texts; a line it refuses (a
-        role or a tool call it does not take) is a bad line, like one the reader refuses."""
+        role or a tool call it does not take) is a bad line, like one the reader refuses.
+        Each is rendered with the template arguments drawn for it, if its dataset mixes
+        any."""
         kept, texts = [], []
+        mixed = bool(ds.mixtures.template_keys)
         for record in records:
+            templater = self.templater
+            if mixed:
+                templater = templater.variant(template_draw(ds, record))
             try:
-                texts.append(self.templater.render(record.messages, record.tools))
+                texts.append(templater.render(record.messages, record.tools))
             except Exception as exc:  # Jinja's errors, or raise_exception in the template
                 report.bad += 1
                 report.problem(f"{record.source}: the chat template cannot render it: {exc}")
@@ -291,7 +316,8 @@ class Enqueuer:
         fresh: list[PromptRecord], encoded: Future[list[list[int]]], lost: list[str],
         ranks: dict[str, int],
     ) -> _Written:
-        rows = self._prompt_rows(plan, fresh, encoded.result(), ranks)
+        rows = self._prompt_rows(plan, fresh, encoded.result(), ranks,
+                                 self._registered[plan.name])
         self.store.insert_prompts(rows, [c for c in (conversation_row(plan.name, r)
                                                      for r in fresh) if c is not None])
         if rows and not self._analyzed:
@@ -330,8 +356,9 @@ class Enqueuer:
 
     def _prompt_rows(
         self, plan: DatasetPlan, fresh: list[PromptRecord], ids: list[list[int]],
-        ranks: dict[str, int],
+        ranks: dict[str, int], ds: DatasetRow,
     ) -> list[NewPrompt]:
+        mixed = bool(ds.mixtures.template_keys)
         rows = []
         for record, input_ids in zip(fresh, ids, strict=True):
             state, max_new_tokens, error = allowance(len(input_ids), plan.max_new_tokens,
@@ -349,9 +376,32 @@ class Enqueuer:
                 tools=record.tools,
                 **turn_of(record),
                 rank=ranks.get(record.sample_id),
+                template_kwargs=template_draw(ds, record) if mixed else None,
             ))
         return rows
 
 
 def _sample_id(record: PromptRecord) -> str:
     return record.sample_id
+
+
+def template_draw(ds: DatasetRow, record: PromptRecord) -> dict[str, Any]:
+    """The chat template arguments drawn for a record (common/draws.py)."""
+    return ds.mixtures.template(seed_of(ds.order.seed),
+                                draw_id(record.sample_id, record.conversation))
+
+
+def _refuse_other_draws(old: DatasetRow, new: DatasetRow) -> None:
+    """A dataset holding prompts keeps its mixtures and generations: others would draw
+    other samples than those stored, or name them otherwise."""
+    if old.mixtures != new.mixtures:
+        raise ConfigError(
+            f"dataset {old.name} holds prompts drawn with mixtures "
+            f"{old.mixtures.describe() or 'none'}; this run asks for "
+            f"{new.mixtures.describe() or 'none'}. Give the same --mix (or mix table), or "
+            "none (the stored mixtures are kept), or use a new dataset name.")
+    if old.generations != new.generations:
+        raise ConfigError(
+            f"dataset {old.name} holds {old.generations} generation(s) of each prompt; this "
+            f"run asks for {new.generations}. Leave out --generations (the stored number is "
+            "kept) or use a new dataset name.")

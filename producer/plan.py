@@ -1,5 +1,5 @@
-"""What to enqueue: per dataset its files, budget, sampling and order, from flags or a
-manifest."""
+"""What to enqueue: per dataset its files, budget, sampling (and mixtures), order and
+generations, from flags or a manifest."""
 
 from __future__ import annotations
 
@@ -10,10 +10,13 @@ from typing import Any
 
 from common.budget import Budget, parse_budget_tokens
 from common.conversation import TURN_MODES
+from common.draws import Mixtures
 from common.errors import ConfigError
 from common.names import validate_dataset_name
 from common.order import OrderRequest, check_order, check_seed
 from common.sampling_rules import SAMPLING_KEYS, check_sampling
+from producer.generations import check_generations
+from producer.mixes import check_mixtures, merged, mixes_from_table
 from producer.reader import discover
 
 # SGLang's own defaults, sent explicitly: /generate does not read generation_config.
@@ -29,24 +32,44 @@ class DatasetPlan:
     max_new_tokens: int = 16384
     turns: str = "last"  # "all": every assistant turn regenerated (common/conversation.py)
     order: OrderRequest = field(default_factory=OrderRequest)
+    mixtures: Mixtures = field(default_factory=Mixtures)  # common/draws.py
+    generations: int | None = None  # None: the dataset's stored number, else 1
+
+
+@dataclass(frozen=True)
+class Draws:
+    """What the flags say of each sample's draws: its mixtures, and its generations."""
+
+    mixtures: Mixtures = field(default_factory=Mixtures)
+    generations: int | None = None
 
 
 def plans_from_paths(
     paths: list[str], budget: Budget, sampling: dict[str, Any], max_new_tokens: int,
     turns: str = "last",
     order: OrderRequest | None = None,
+    draws: Draws | None = None,
 ) -> list[DatasetPlan]:
+    draws = draws or Draws()
+    check_mixtures(draws.mixtures, sampling, name=lambda k: f"--mix {k}")
     return [
-        DatasetPlan(name, tuple(files), budget, dict(sampling), max_new_tokens, turns,
-                    order or OrderRequest())
+        DatasetPlan(name, tuple(files), budget, _fixed(sampling, draws.mixtures),
+                    max_new_tokens, turns, order or OrderRequest(), draws.mixtures,
+                    draws.generations)
         for name, files in discover(paths).items()
     ]
+
+
+def _fixed(sampling: dict[str, Any], mixtures: Mixtures) -> dict[str, Any]:
+    """The sampling sent as it is: a mixed key is drawn per sample instead."""
+    return {k: v for k, v in sampling.items() if k not in mixtures.choices}
 
 
 def plans_from_manifest(
     path: str, budget: Budget, sampling: dict[str, Any], max_new_tokens: int,
     turns: str = "last",
     order: OrderRequest | None = None,
+    draws: Draws | None = None,
 ) -> list[DatasetPlan]:
     """A TOML manifest: one ``[datasets.NAME]`` table per dataset.
 
@@ -60,6 +83,10 @@ def plans_from_manifest(
         temperature = 0.6                # also top_p, top_k, min_p
         order = "shuffle"                # shuffle | file
         seed = 7
+        generations = 3                  # ids <id>_gen0 .. <id>_gen2
+
+        [datasets.B2.mix]                # drawn per sample (producer/mixes.py)
+        reasoning_effort = [{value = "low", weight = 4}, {value = "high", weight = 2}]
     """
     source = Path(path)
     try:
@@ -71,7 +98,7 @@ def plans_from_manifest(
         raise ConfigError(f"manifest {path}: no [datasets.NAME] tables")
     return [
         _plan_from_table(source, name, spec, budget, sampling, max_new_tokens, turns,
-                         order or OrderRequest())
+                         order or OrderRequest(), draws or Draws())
         for name, spec in tables.items()
     ]
 
@@ -80,6 +107,7 @@ def _plan_from_table(
     source: Path, name: str, spec: Any, budget: Budget, sampling: dict[str, Any], max_new: int,
     turns: str,
     order: OrderRequest,
+    draws: Draws,
 ) -> DatasetPlan:
     where = f"manifest {source} [datasets.{name}]"
     validate_dataset_name(name, source=where)
@@ -90,7 +118,7 @@ def _plan_from_table(
         if not f.is_file():
             raise ConfigError(f"{where}: file {f} does not exist")
     unknown = set(spec) - {"files", "budget_tokens", "policy", "basis", "max_new_tokens",
-                           "turns", "order", "seed", *SAMPLING_KEYS}
+                           "turns", "order", "seed", "generations", "mix", *SAMPLING_KEYS}
     if unknown:
         raise ConfigError(f"{where}: unknown keys {', '.join(sorted(unknown))}")
     try:
@@ -102,16 +130,32 @@ def _plan_from_table(
         )
     except ConfigError as exc:
         raise ConfigError(f"{where}: {exc}") from None
-    merged = {**sampling, **{k: spec[k] for k in SAMPLING_KEYS if k in spec}}
+    fixed = {**sampling, **{k: spec[k] for k in SAMPLING_KEYS if k in spec}}
     max_new_tokens = spec.get("max_new_tokens", max_new)
     # Refused here, before anything is stored: SGLang would refuse every sample.
-    check_sampling({**merged, "max_new_tokens": max_new_tokens}, name=lambda k: f"{where}: {k}")
+    check_sampling({**fixed, "max_new_tokens": max_new_tokens}, name=lambda k: f"{where}: {k}")
     mode = spec.get("turns", turns)
     if mode not in TURN_MODES:
         raise ConfigError(f"{where}: turns must be one of {', '.join(TURN_MODES)} "
                           f"(got {mode!r})")
-    return DatasetPlan(name, tuple(files), terms, merged, max_new_tokens, mode,
-                       _order_from_table(where, spec, order))
+    mixtures = _mixtures_from_table(where, spec, fixed, draws.mixtures)
+    generations = (check_generations(spec["generations"], f"{where}: generations")
+                   if "generations" in spec else draws.generations)
+    return DatasetPlan(name, tuple(files), terms, _fixed(fixed, mixtures), max_new_tokens, mode,
+                       _order_from_table(where, spec, order), mixtures, generations)
+
+
+def _mixtures_from_table(where: str, spec: dict[str, Any], fixed: dict[str, Any],
+                         flags: Mixtures) -> Mixtures:
+    """The table's mixtures over the flags' ones; a key both fixed and mixed in the table
+    is refused, as it could mean either."""
+    own = mixes_from_table(where, spec["mix"]) if "mix" in spec else Mixtures()
+    both = sorted(set(own.choices) & {k for k in SAMPLING_KEYS if k in spec})
+    if both:
+        raise ConfigError(f"{where}: {', '.join(both)} is both a value and a mix; give one")
+    mixtures = merged(flags, own)
+    check_mixtures(mixtures, fixed, name=lambda k: f"{where}: mix.{k}")
+    return mixtures
 
 
 def _order_from_table(where: str, spec: dict[str, Any], order: OrderRequest) -> OrderRequest:

@@ -14,8 +14,10 @@ folder's code (``--trust-remote-code``): loading it runs that code.
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import json
+import threading
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -138,7 +140,14 @@ class ChatTemplater:
         self.name = tokenizer
         self._kwargs: dict[str, Any] = dict(chat_template_kwargs or {})
         self._tok = load_tokenizer(tokenizer, trust_remote_code)
-        template = _chat_template(self._tok, tokenizer)
+        self._variants: dict[str, ChatTemplater] = {}
+        self._variants_lock = threading.Lock()
+        self._prepare()
+
+    def _prepare(self) -> None:
+        """The renderer and tokenizing shortcuts for this templater's kwargs, each checked
+        against the public path."""
+        template = _chat_template(self._tok, self.name)
         self.template_hash = _template_hash(template, self._kwargs)
         probes = self._probe_texts()
         self._render = self._pick_renderer(template, probes)
@@ -221,6 +230,26 @@ class ChatTemplater:
             if tail.endswith(opener):
                 return opener, closer
         return None, None
+
+    def variant(self, extra: dict[str, Any]) -> ChatTemplater:
+        """This templater with ``extra`` template arguments over its own (a draw of a
+        mixture, common/draws.py): the tokenizer is shared, the renderer made and checked
+        again once per distinct ``extra``, then kept."""
+        if not extra:
+            return self
+        key = json.dumps(extra, sort_keys=True)
+        found = self._variants.get(key)
+        if found is not None:
+            return found
+        with self._variants_lock:
+            found = self._variants.get(key)
+            if found is None:
+                found = copy.copy(self)
+                found._kwargs = {**self._kwargs, **extra}
+                found._variants, found._variants_lock = {}, threading.Lock()
+                found._prepare()
+                self._variants[key] = found
+            return found
 
     @property
     def kwargs(self) -> dict[str, Any]:

@@ -44,6 +44,8 @@ class RequestRecord:
     completion_tokens: int = 0
     #: Why it ended that way when that is not obvious (error text, fault name...).
     detail: str | None = "client disconnected"
+    #: The body's sampling_params as received (an object), else None.
+    sampling_params: dict[str, Any] | None = None
 
     @classmethod
     def from_body(cls, body: Any, arrived_ts: float) -> RequestRecord:
@@ -60,6 +62,7 @@ class RequestRecord:
             input_sha1=input_sha1(ids),
             max_new_tokens=max_new if isinstance(max_new, int) else None,
             stream=body.get("stream") is True,
+            sampling_params=params if isinstance(params, dict) else None,
         )
 
     def finish(

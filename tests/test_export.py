@@ -184,11 +184,12 @@ def test_speculators_ids_masks_and_metadata(produced: Produced, tmp_path: Path) 
         assert row["metadata"] == {
             "finish_reason": r["finish_reason"], "prompt_tokens": r["prompt_tokens"],
             "completion_tokens": r["completion_tokens"], "model": r["model"],
-            "sampling": {"temperature": 1.0, "max_new_tokens": 512},
+            "sampling_params": {"temperature": 1.0, "max_new_tokens": 512},
             "dataset": "alpha", "sample_id": row["id"],
         }
     cut = read_jsonl(tmp_path / "cut.speculators.jsonl")
-    assert len(cut) == 5 and all(r["metadata"]["sampling"]["max_new_tokens"] == 8 for r in cut)
+    assert len(cut) == 5
+    assert all(r["metadata"]["sampling_params"]["max_new_tokens"] == 8 for r in cut)
     assert validate(produced, tmp_path) == 0
 
 

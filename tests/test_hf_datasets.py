@@ -22,7 +22,7 @@ hf = pytest.importorskip(
     "datasets", reason="the datasets package is not installed (make install adds the test-hf "
                        "extra: pip install -e '.[dev,test-hf]')")
 
-SPECFORGE = {"id", "status", "conversations"}
+SPECFORGE = {"id", "status", "conversations", "sampling"}
 SPECULATORS = {"id", "input_ids", "loss_mask", "text", "metadata"}
 
 

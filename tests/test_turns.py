@@ -236,10 +236,12 @@ def _expanded(row: dict[str, Any]) -> list[dict[str, Any]]:
             history.append(message)
             continue
         k = sum(m["role"] == "assistant" for m in history)
-        events.append({"id": f"{row['id'].partition('#turn')[0]}#turn{k}",
-                       "source_id": row["id"].partition("#turn")[0],
-                       "assistant_turn_index": k, "status": "success",
-                       "conversations": [*history, message]})
+        event = {"id": f"{row['id'].partition('#turn')[0]}#turn{k}",
+                 "source_id": row["id"].partition("#turn")[0],
+                 "assistant_turn_index": k, "status": "success",
+                 "conversations": [*history, message]}
+        # The row's other fields (the sampling its turns were sent) carry over.
+        events.append({**event, **{key: v for key, v in row.items() if key not in event}})
         history.append({**message, "reasoning_content": ""})
     return events
 

@@ -18,6 +18,7 @@ import sqlalchemy as sa
 
 from common.closing import after_close
 from common.db import UNAVAILABLE
+from common.draws import draw_id, seed_of
 from common.errors import TransientError, UnstorableResult
 from common.ledger import Admission, Charge
 from common.reconcile import reconcile_dataset
@@ -47,7 +48,12 @@ class Outcome(StrEnum):
 
 
 def sampling_params(ds: DatasetRow, prompt: PromptRow) -> dict[str, Any]:
+    """What the request sends: the dataset's sampling, the values drawn for the prompt
+    (common/draws.py: a pure function, so a redelivery sends the same) and its cap."""
     params = {k: v for k, v in ds.sampling.items() if k != "max_new_tokens"}
+    if ds.mixtures:
+        params.update(ds.mixtures.sampling(seed_of(ds.order.seed),
+                                           draw_id(prompt.sample_id, prompt.conversation)))
     params["max_new_tokens"] = prompt.max_new_tokens
     return params
 

@@ -142,4 +142,5 @@ def result_row(ds: DatasetRow, sample_id: str, c: Completion, charge: ChargeResu
         e2e_latency_s=c.e2e_latency_s,
         server=c.server,
         model=model,
+        sampling=c.sampling_params,
     )

@@ -23,6 +23,7 @@ from collections.abc import Sequence
 
 from common.conversation import next_turn, own_answer, turn_id
 from common.conversation_store import TurnContext, turn_contexts, turn_state
+from common.draws import seed_of
 from common.errors import ConfigError
 from common.ledger import Ledger
 from common.publish import Publisher
@@ -80,7 +81,8 @@ class NextTurns:
     def _next(self, ds: DatasetRow, row: ResultRow, context: TurnContext) -> NewPrompt | None:
         turn = context.turn + 1
         try:
-            templater = self.templater(ds)
+            drawn = ds.mixtures.template(seed_of(ds.order.seed), context.conversation)
+            templater = self.templater(ds).variant(drawn)
             answer = own_answer(row.output_text, templater.split_reasoning,
                                 templater.reasoning_close is not None)
             if not str(answer["content"]).strip():
@@ -94,18 +96,19 @@ class NextTurns:
                              f"turn {turn} could not be built: {exc}")
         max_new = int(ds.sampling.get("max_new_tokens", 0))
         state, max_new_tokens, error = allowance(len(input_ids), max_new, ds.max_seq_len)
-        return self._row(ds, context, turn, messages, input_ids, state, error, max_new_tokens)
+        return self._row(ds, context, turn, messages, input_ids, state, error, max_new_tokens,
+                         drawn or None)
 
     @staticmethod
     def _row(ds: DatasetRow, context: TurnContext, turn: int, messages: list[dict[str, object]],
              input_ids: list[int], state: str, error: str | None,
-             max_new_tokens: int = 0) -> NewPrompt:
+             max_new_tokens: int = 0, drawn: dict[str, object] | None = None) -> NewPrompt:
         return NewPrompt(
             dataset=ds.name, sample_id=turn_id(context.conversation, turn), state=state,
             prompt_tokens=len(input_ids), max_new_tokens=max_new_tokens,
             source=context.source or "", messages=messages, input_ids=input_ids, error=error,
             tools=context.tools, conversation=context.conversation, turn=turn,
-            rank=context.rank)
+            rank=context.rank, template_kwargs=drawn)
 
 
 def publish_next(publisher: Publisher, ledger: Ledger, ds: DatasetRow, sample_id: str) -> bool:
