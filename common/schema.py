@@ -63,6 +63,8 @@ datasets = sa.Table(
     # "all": every assistant turn regenerated, one prompt per turn; NULL or "last": the
     # last turn only, after the line's own earlier answers.
     sa.Column("turns", sa.String(8)),
+    # SGLang's --tool-call-parser name its tool-calling turns are parsed with (NULL: none).
+    sa.Column("tool_call_parser", sa.String(64)),
     # The chat template's kwargs: workers render a conversation's later turns with them.
     sa.Column("template_kwargs", sa.JSON(none_as_null=True)),
     # common/order.py: "shuffle" (with its seed) or "file" (seed NULL). A dataset created
@@ -128,7 +130,7 @@ INPUT_COLUMNS = ("messages", "input_ids")
 ADDED_COLUMNS = (
     ("prompt_inputs", "tools"), ("prompt_inputs", "conversation"), ("prompt_inputs", "turn"),
     ("datasets", "turns"), ("datasets", "template_kwargs"), ("datasets", "sample_order"),
-    ("datasets", "seed"), ("prompts", "rank"),
+    ("datasets", "seed"), ("prompts", "rank"), ("datasets", "tool_call_parser"),
 )
 # Indexes on added columns, created with them (create_all makes them for a new table only).
 ADDED_INDEXES = ("ix_prompt_inputs_conversation",)

@@ -39,6 +39,8 @@ class DatasetRow:
     turns: str = "last"  # "all": each conversation regenerated turn by turn
     template_kwargs: dict[str, Any] | None = None
     order: Order = field(default_factory=Order)
+    # SGLang's parser name for the model's tool calls (``--tool-call-parser``), or None.
+    tool_call_parser: str | None = None
 
 
 @dataclass(frozen=True)
@@ -80,6 +82,7 @@ def _dataset_row(r: sa.Row[Any]) -> DatasetRow:
         turns=r.turns or "last",
         template_kwargs=r.template_kwargs,
         order=Order(r.sample_order, r.seed),
+        tool_call_parser=r.tool_call_parser,
     )
 
 
@@ -213,6 +216,7 @@ class Store:
             "template_kwargs": row.template_kwargs or None,
             "sample_order": row.order.kind,
             "seed": row.order.seed,
+            "tool_call_parser": row.tool_call_parser,
             "updated_at": utcnow(),
         }
         with self.engine.begin() as conn:

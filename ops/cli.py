@@ -53,6 +53,11 @@ def _add_enqueue(sub: argparse._SubParsersAction) -> None:
                    help="last: regenerate each conversation's last answer after the line's "
                    "earlier ones; all: regenerate every assistant turn in order, each after "
                    "the model's own earlier answers (default: %(default)s)")
+    p.add_argument("--tool-call-parser", default=None, metavar="NAME",
+                   help="SGLang's --tool-call-parser name (kimi_k2, qwen25, deepseekv3, glm, "
+                   "...): with --turns all, a turn whose original called tools is parsed by "
+                   "the server with it, and the line's tool results follow the model's own "
+                   "calls when they match (default: none)")
     add_quiet_flag(p)
     p.add_argument("--order", choices=ORDERS, default=None,
                    help="publishing order of each dataset's prompts: shuffle (seeded random, "

@@ -34,7 +34,7 @@ from producer.plan import DatasetPlan
 from producer.reader import PromptRecord, ReadReport, read_dataset
 from producer.sending import Sender
 from producer.template import ChatTemplater
-from producer.turns import TOOLS_NOTE, conversation_row, first_turns, turn_of
+from producer.turns import conversation_row, first_turns, turn_of
 
 CHUNK = 1000
 # Chunks handed to the writer and not yet written: enough to keep every stage busy while
@@ -175,6 +175,7 @@ class Enqueuer:
             template_hash=self.templater.template_hash,
             reasoning_open=self.templater.reasoning_open,
             turns=plan.turns,
+            tool_call_parser=plan.tool_call_parser,
             template_kwargs=self.templater.kwargs,
             order=self._orders[plan.name],
         )
@@ -202,9 +203,8 @@ class Enqueuer:
         in_redis = queued_in_redis(self.ledger.redis, plan.name)
         report = ReadReport(dataset=plan.name, files=[str(f) for f in plan.files])
         records = read_dataset(plan.name, plan.files, report)
-        tool_lines = [0]
         if plan.turns == "all":
-            records = first_turns(records, report, tool_lines)
+            records = first_turns(records, report, plan.tool_call_parser)
         # In its publishing order: a conversation by its first turn's rank.
         ranked = ds.order.arrange(records, _sample_id)
         for pairs in iter(lambda: list(itertools.islice(ranked, CHUNK)), []):
@@ -223,8 +223,6 @@ class Enqueuer:
             yield True
         if plan.turns == "all":
             self._later_turns(plan, ds.stamp, summary, in_redis)
-        if tool_lines[0]:
-            summary.notes.append(TOOLS_NOTE.format(n=tool_lines[0]))
         summary.read, summary.bad, summary.duplicates = report.read, report.bad, report.duplicates
         summary.problems = list(report.problems)
 

@@ -29,16 +29,19 @@ class DatasetPlan:
     max_new_tokens: int = 16384
     turns: str = "last"  # "all": every assistant turn regenerated (common/conversation.py)
     order: OrderRequest = field(default_factory=OrderRequest)
+    # SGLang's --tool-call-parser name: tool-calling turns are parsed by the server with it.
+    tool_call_parser: str | None = None
 
 
 def plans_from_paths(
     paths: list[str], budget: Budget, sampling: dict[str, Any], max_new_tokens: int,
     turns: str = "last",
     order: OrderRequest | None = None,
+    tool_call_parser: str | None = None,
 ) -> list[DatasetPlan]:
     return [
         DatasetPlan(name, tuple(files), budget, dict(sampling), max_new_tokens, turns,
-                    order or OrderRequest())
+                    order or OrderRequest(), tool_call_parser)
         for name, files in discover(paths).items()
     ]
 
@@ -47,6 +50,7 @@ def plans_from_manifest(
     path: str, budget: Budget, sampling: dict[str, Any], max_new_tokens: int,
     turns: str = "last",
     order: OrderRequest | None = None,
+    tool_call_parser: str | None = None,
 ) -> list[DatasetPlan]:
     """A TOML manifest: one ``[datasets.NAME]`` table per dataset.
 
@@ -57,6 +61,7 @@ def plans_from_manifest(
         basis = "output"                 # output | total
         max_new_tokens = 16384
         turns = "all"                    # all | last
+        tool_call_parser = "kimi_k2"     # SGLang's parser name, for tool-calling turns
         temperature = 0.6                # also top_p, top_k, min_p
         order = "shuffle"                # shuffle | file
         seed = 7
@@ -70,8 +75,9 @@ def plans_from_manifest(
     if not isinstance(tables, dict) or not tables:
         raise ConfigError(f"manifest {path}: no [datasets.NAME] tables")
     return [
-        _plan_from_table(source, name, spec, budget, sampling, max_new_tokens, turns,
-                         order or OrderRequest())
+        replace(_plan_from_table(source, name, spec, budget, sampling, max_new_tokens, turns,
+                                 order or OrderRequest()),
+                tool_call_parser=_parser_from_table(source, name, spec, tool_call_parser))
         for name, spec in tables.items()
     ]
 
@@ -90,7 +96,7 @@ def _plan_from_table(
         if not f.is_file():
             raise ConfigError(f"{where}: file {f} does not exist")
     unknown = set(spec) - {"files", "budget_tokens", "policy", "basis", "max_new_tokens",
-                           "turns", "order", "seed", *SAMPLING_KEYS}
+                           "turns", "order", "seed", "tool_call_parser", *SAMPLING_KEYS}
     if unknown:
         raise ConfigError(f"{where}: unknown keys {', '.join(sorted(unknown))}")
     try:
@@ -112,6 +118,14 @@ def _plan_from_table(
                           f"(got {mode!r})")
     return DatasetPlan(name, tuple(files), terms, merged, max_new_tokens, mode,
                        _order_from_table(where, spec, order))
+
+
+def _parser_from_table(source: Path, name: str, spec: Any, default: str | None) -> str | None:
+    parser = spec.get("tool_call_parser", default) if isinstance(spec, dict) else default
+    if parser is not None and (not isinstance(parser, str) or not parser.strip()):
+        raise ConfigError(f"manifest {source} [datasets.{name}]: tool_call_parser must be "
+                          f"SGLang's parser name, e.g. \"kimi_k2\" (got {parser!r})")
+    return parser
 
 
 def _order_from_table(where: str, spec: dict[str, Any], order: OrderRequest) -> OrderRequest:

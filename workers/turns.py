@@ -21,14 +21,16 @@ import logging
 import threading
 from collections.abc import Sequence
 
-from common.conversation import next_turn, own_answer, turn_id
+from common.conversation import Message, next_turn, original_calls, own_answer, turn_id
 from common.conversation_store import TurnContext, turn_contexts, turn_state
 from common.errors import ConfigError
 from common.ledger import Ledger
 from common.publish import Publisher
 from common.rows import NewPrompt, ResultRow, allowance
+from common.sglang_client import SGLangClient
 from common.store import DatasetRow, Store
 from producer.template import ChatTemplater
+from workers.tool_turns import ToolsDiffer, parse_text, tool_answer
 
 log = logging.getLogger(__name__)
 Kept = tuple[DatasetRow, ResultRow]
@@ -37,8 +39,10 @@ Kept = tuple[DatasetRow, ResultRow]
 class NextTurns:
     """Builds the next turns of the conversation turns a worker stores."""
 
-    def __init__(self, store: Store, trust_remote_code: bool) -> None:
+    def __init__(self, store: Store, trust_remote_code: bool,
+                 client: SGLangClient | None = None) -> None:
         self.store, self.trust_remote_code = store, trust_remote_code
+        self.client = client  # parses tool-calling turns (workers/tool_turns.py)
         self._templaters: dict[tuple[str, str], ChatTemplater] = {}
         self._lock = threading.Lock()
 
@@ -81,12 +85,13 @@ class NextTurns:
         turn = context.turn + 1
         try:
             templater = self.templater(ds)
-            answer = own_answer(row.output_text, templater.split_reasoning,
-                                templater.reasoning_close is not None)
-            if not str(answer["content"]).strip():
+            answer = self._answer(ds, row, context, templater)
+            if answer is None:
                 return None
             messages = next_turn(context.original, context.prompt, context.turn, answer)
             [input_ids] = templater.encode_batch([messages], [context.tools])
+        except ToolsDiffer as exc:  # the conversation ends here, with the reason stored
+            return self._row(ds, context, turn, [], [], "skipped", str(exc))
         except Exception as exc:  # the conversation ends here, with the reason stored
             log.warning("%s/%s: turn %d could not be built: %s", ds.name,
                         row.sample_id, turn, exc)
@@ -95,6 +100,23 @@ class NextTurns:
         max_new = int(ds.sampling.get("max_new_tokens", 0))
         state, max_new_tokens, error = allowance(len(input_ids), max_new, ds.max_seq_len)
         return self._row(ds, context, turn, messages, input_ids, state, error, max_new_tokens)
+
+    def _answer(self, ds: DatasetRow, row: ResultRow, context: TurnContext,
+                templater: ChatTemplater) -> Message | None:
+        """The model's answer as history: with its tool calls where the line's answer
+        called tools; None for an answer with nothing in it."""
+        reasoning = templater.reasoning_close is not None
+        originals = original_calls(context.original, context.turn)
+        if not originals:
+            answer = own_answer(row.output_text, templater.split_reasoning, reasoning)
+            return answer if str(answer["content"]).strip() else None
+        client, parser = self.client, ds.tool_call_parser
+        if client is None or not parser:
+            raise ConfigError(f"dataset {ds.name} has no --tool-call-parser for its tool calls")
+        text = parse_text(templater.decode_all, row.output_ids, row.finish_detail)
+        return tool_answer(lambda t, tools: client.parse_function_call(row.server, t, tools,
+                                                                      parser),
+                           text, context.tools, originals, templater.split_reasoning, reasoning)
 
     @staticmethod
     def _row(ds: DatasetRow, context: TurnContext, turn: int, messages: list[dict[str, object]],
