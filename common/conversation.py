@@ -19,6 +19,7 @@ from typing import Any
 
 Message = dict[str, Any]
 TURN_MODES = ("last", "all")
+DEFAULT_TURNS = "all"  # a new dataset's mode when none is asked for
 # How the error of a turn not started begins when the model's tool calls before it were
 # not the line's: the conversation ended there (workers/tool_turns.py); status counts them.
 TOOLS_DIFFER = "tool calls differ"

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from celery import Celery
 
 from common.audit import queued_in_redis
+from common.conversation import DEFAULT_TURNS
 from common.conversation_store import queued_later_turns
 from common.errors import ConfigError
 from common.ledger import Ledger
@@ -166,6 +167,8 @@ class Enqueuer:
         return plan.order.resolve(plan.name, stored, bool(self.store.prompt_counts(plan.name)))
 
     def _register(self, plan: DatasetPlan) -> DatasetRow:
+        # Modes not asked for are the stored ones: a run without flags goes on as before.
+        old = self.store.dataset(plan.name) if plan.name in self.store.dataset_names() else None
         row = DatasetRow(
             name=plan.name,
             budget=plan.budget,
@@ -174,13 +177,12 @@ class Enqueuer:
             tokenizer=self.templater.name,
             template_hash=self.templater.template_hash,
             reasoning_open=self.templater.reasoning_open,
-            turns=plan.turns,
-            tool_call_parser=plan.tool_call_parser,
+            turns=plan.turns or (old.turns if old else DEFAULT_TURNS),
+            tool_call_parser=plan.tool_call_parser or (old.tool_call_parser if old else None),
             template_kwargs=self.templater.kwargs,
             order=self._orders[plan.name],
         )
-        if plan.name in self.store.dataset_names():
-            old = self.store.dataset(plan.name)
+        if old is not None:
             if old.turns != row.turns and self.store.prompt_counts(plan.name):
                 raise ConfigError(
                     f"dataset {plan.name} was enqueued with --turns {old.turns}; this run "
@@ -203,8 +205,8 @@ class Enqueuer:
         in_redis = queued_in_redis(self.ledger.redis, plan.name)
         report = ReadReport(dataset=plan.name, files=[str(f) for f in plan.files])
         records = read_dataset(plan.name, plan.files, report)
-        if plan.turns == "all":
-            records = first_turns(records, report, plan.tool_call_parser)
+        if ds.turns == "all":
+            records = first_turns(records, report, ds.tool_call_parser)
         # In its publishing order: a conversation by its first turn's rank.
         ranked = ds.order.arrange(records, _sample_id)
         for pairs in iter(lambda: list(itertools.islice(ranked, CHUNK)), []):
@@ -221,7 +223,7 @@ class Enqueuer:
             ))
             self._collect(PIPELINE_DEPTH, SENDING_DEPTH)
             yield True
-        if plan.turns == "all":
+        if ds.turns == "all":
             self._later_turns(plan, ds.stamp, summary, in_redis)
         summary.read, summary.bad, summary.duplicates = report.read, report.bad, report.duplicates
         summary.problems = list(report.problems)

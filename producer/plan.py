@@ -27,7 +27,9 @@ class DatasetPlan:
     budget: Budget = field(default_factory=Budget)
     sampling: dict[str, Any] = field(default_factory=lambda: dict(DEFAULT_SAMPLING))
     max_new_tokens: int = 16384
-    turns: str = "last"  # "all": every assistant turn regenerated (common/conversation.py)
+    # "all": every assistant turn regenerated (common/conversation.py); None: the dataset's
+    # stored mode, else "all" (producer/enqueue.py).
+    turns: str | None = "last"
     order: OrderRequest = field(default_factory=OrderRequest)
     # SGLang's --tool-call-parser name: tool-calling turns are parsed by the server with it.
     tool_call_parser: str | None = None
@@ -35,7 +37,7 @@ class DatasetPlan:
 
 def plans_from_paths(
     paths: list[str], budget: Budget, sampling: dict[str, Any], max_new_tokens: int,
-    turns: str = "last",
+    turns: str | None = "last",
     order: OrderRequest | None = None,
     tool_call_parser: str | None = None,
 ) -> list[DatasetPlan]:
@@ -48,7 +50,7 @@ def plans_from_paths(
 
 def plans_from_manifest(
     path: str, budget: Budget, sampling: dict[str, Any], max_new_tokens: int,
-    turns: str = "last",
+    turns: str | None = "last",
     order: OrderRequest | None = None,
     tool_call_parser: str | None = None,
 ) -> list[DatasetPlan]:
@@ -84,7 +86,7 @@ def plans_from_manifest(
 
 def _plan_from_table(
     source: Path, name: str, spec: Any, budget: Budget, sampling: dict[str, Any], max_new: int,
-    turns: str,
+    turns: str | None,
     order: OrderRequest,
 ) -> DatasetPlan:
     where = f"manifest {source} [datasets.{name}]"
@@ -113,7 +115,7 @@ def _plan_from_table(
     # Refused here, before anything is stored: SGLang would refuse every sample.
     check_sampling({**merged, "max_new_tokens": max_new_tokens}, name=lambda k: f"{where}: {k}")
     mode = spec.get("turns", turns)
-    if mode not in TURN_MODES:
+    if mode is not None and mode not in TURN_MODES:
         raise ConfigError(f"{where}: turns must be one of {', '.join(TURN_MODES)} "
                           f"(got {mode!r})")
     return DatasetPlan(name, tuple(files), terms, merged, max_new_tokens, mode,

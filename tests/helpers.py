@@ -87,7 +87,7 @@ def running_worker(settings: Settings, concurrency: int = 16) -> Iterator[Celery
 
 def enqueue_paths(
     settings: Settings, paths: Sequence[str], budget: Budget | None = None,
-    max_new_tokens: int = 512, max_seq_len: int = 4096, turns: str = "last",
+    max_new_tokens: int = 512, max_seq_len: int = 4096, turns: str | None = "last",
 ) -> list[DatasetSummary]:
     store = Store(settings.database_url)
     ledger = Ledger(_redis(settings))

@@ -60,7 +60,7 @@ def _conversation(i: int, turns: int) -> dict[str, Any]:
     return {"id": f"c{i}", "messages": messages}
 
 
-LINES = [_conversation(i, 1 + i % 3) for i in range(8)]
+LINES = [_conversation(i, 2 + i % 3) for i in range(8)]  # 2 to 4 turns each
 
 
 def _write(path: Path, lines: list[dict[str, Any]]) -> Path:
@@ -355,8 +355,9 @@ def test_turns_from_a_manifest_and_a_mode_kept_per_dataset(
         plans_from_manifest(str(manifest), Budget(), {}, 64)
 
     enqueue_paths(settings, [str(path)], turns="all")
-    # Tools offered and none called: turn by turn like any conversation, no parser needed.
-    assert set(store.prompt_states("mixed")) == {"c2#turn1", "tooled#turn1"}
+    # Tools offered and none called: no parser needed. A single turn is a prompt of its
+    # own, under its own id, as with --turns last.
+    assert set(store.prompt_states("mixed")) == {"c2#turn1", "tooled"}
     with pytest.raises(ConfigError, match="--turns all"):
         enqueue_paths(settings, [str(path)], turns="last")
 
@@ -409,3 +410,16 @@ def test_an_exact_close_cuts_a_turn_and_gives_it_no_successor(
                                   results.c.finish_reason == "budget")).one()
     turns = [r.turn for r in turn_rows(store, "cut")[cut.conversation]]
     assert turns[-1] == cut.turn  # nothing made after the cut answer
+
+
+def test_without_a_mode_a_new_dataset_is_all_and_an_old_one_keeps_its_own(
+    settings: Settings, store: Store, tmp_path: Path
+) -> None:
+    fresh = _write(tmp_path / "fresh.jsonl", LINES[:2])
+    enqueue_paths(settings, [str(fresh)], turns=None)
+    assert store.dataset("fresh").turns == "all"
+    assert set(store.prompt_states("fresh")) == {"c0#turn1", "c1#turn1"}
+    old = _write(tmp_path / "old.jsonl", LINES[:2])
+    enqueue_paths(settings, [str(old)], turns="last")
+    [summary] = enqueue_paths(settings, [str(old)], turns=None)  # not refused: still last
+    assert store.dataset("old").turns == "last" and summary.enqueued == 0
