@@ -1,12 +1,14 @@
 """A conversation's next turn, built by the worker that stores the turn before it.
 
 Why here: turn i+1's prompt is turn i's prompt, the model's own answer to it and the
-line's next user message, rendered by the chat template and tokenized. The worker
-holding turn i's result has all of it at hand: it builds turn i+1 in the step that
-stores turn i and inserts it in the same transaction (ON CONFLICT DO NOTHING), so the
-next turn exists exactly when its predecessor is stored, whatever is killed or
-redelivered, and no other process needs the tokenizer. Each process loads a dataset's
-tokenizer once (checked against the template the producer used) and keeps it.
+line's next user message (or, after an answer that called tools, the model's own calls
+parsed by the server and the line's tool results: workers/tool_turns.py), rendered by the
+chat template and tokenized. The worker holding turn i's result has all of it at hand:
+it builds turn i+1 in the step that stores turn i and inserts it in the same transaction
+(ON CONFLICT DO NOTHING), so the next turn exists exactly when its predecessor is stored,
+whatever is killed or redelivered, and no other process needs the tokenizer. Each
+process loads a dataset's tokenizer once (checked against the template the producer used)
+and keeps it.
 
 The next turn is published once the transaction commits, into its dataset's queue like
 any prompt (behind the messages already waiting there). If the worker dies between the
