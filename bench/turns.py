@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -46,20 +47,31 @@ from common.settings import Settings
 from common.store import Store, as_utc
 from producer.enqueue import Enqueuer, Limits
 from producer.plan import DEFAULT_SAMPLING, plans_from_paths
+from producer.template import ChatTemplater
 from sim.reqlog import input_sha1
 
 TURNS = 10
 
 
-def _enqueue(settings: Settings, path: Path, turns: str) -> float:
+@dataclass(frozen=True)
+class WorkerLeg:
+    requests: int
+    cpu_ms: float  # worker CPU per request
+    gaps: list[float]  # seconds from turn i stored to turn i+1 at the server
+
+
+def _enqueue(settings: Settings, path: Path, turns: str, parser: str | None = None) -> float:
     """Enqueue one file; returns lines per second."""
     import redis
 
-    plans = plans_from_paths([str(path)], Budget(), dict(DEFAULT_SAMPLING), 256, turns)
+    plans = plans_from_paths([str(path)], Budget(), dict(DEFAULT_SAMPLING), 256, turns,
+                             tool_call_parser=parser)
     store, app = Store(settings.database_url), make_celery(settings)
     ledger = Ledger(redis.Redis.from_url(settings.redis_url))
+    chat = (templater() if not settings.trust_remote_code else
+            ChatTemplater(settings.tokenizer, trust_remote_code=True))
     started = time.perf_counter()
-    [summary] = Enqueuer(store, ledger, app, templater(), Limits(32768)).run(plans)
+    [summary] = Enqueuer(store, ledger, app, chat, Limits(32768)).run(plans)
     elapsed = time.perf_counter() - started
     store.engine.dispose()
     app.close()
@@ -78,17 +90,21 @@ def producer_rates(kind: str, lines: int) -> dict[str, float]:
     return rates
 
 
-def _worker_leg(kind: str, name: str, conversations: int, turns: int, mode: str,
-                concurrency: int) -> dict[str, Any]:
-    """Run one set through one worker process; CPU per request and the turn gaps."""
+def worker_leg(kind: str, name: str, path: Path, mode: str, concurrency: int,
+               code_tokenizer: Path | None = None, parser: str | None = None) -> WorkerLeg:
+    """Run one file (dataset ``name``) through one worker process; CPU per request and
+    the turn gaps. ``code_tokenizer``: a tokenizer folder that is Python code, for the
+    simulator, the producer and the worker (bench/tool_turns.py)."""
     fresh_redis()
+    extra = [] if code_tokenizer is None else ["--tokenizer", str(code_tokenizer),
+                                               "--trust-remote-code"]
     with Processes() as procs:
         # Requests of about 0.3 s: the worker is not saturated, so the gap is the path.
-        sim_url, _ = start_sim(procs, slots=256, decode=200, mean_output=60)
+        sim_url, _ = start_sim(procs, slots=256, decode=200, mean_output=60, extra=extra)
         settings = bench_settings(fresh_db(kind, "turns"), sim_url, concurrency)
-        folder = WORKDIR / "tmp" / name
-        path = write_dataset(folder, name, conversations, 200, turns)
-        _enqueue(settings, path, mode)
+        if code_tokenizer is not None:
+            settings = settings.replace(tokenizer=str(code_tokenizer), trust_remote_code=True)
+        _enqueue(settings, path, mode, parser)
         store = Store(settings.database_url)
         worker = start_worker(procs, settings, concurrency, tag=name)
         # The worker's start-up (imports, tokenizer) is left out: CPU counts from its
@@ -103,8 +119,7 @@ def _worker_leg(kind: str, name: str, conversations: int, turns: int, mode: str,
         done = store.prompt_counts(name).get("done", 0)
         gaps = _turn_gaps(store, name, sim_requests(sim_url)) if mode == "all" else []
         procs.stop(worker)
-    return {"requests": done - first, "cpu_ms": 1000 * cpu / max(1, done - first),
-            "gaps": gaps}
+    return WorkerLeg(done - first, 1000 * cpu / max(1, done - first), gaps)
 
 
 def _turn_gaps(store: Store, dataset: str, log: list[dict[str, Any]]) -> list[float]:
@@ -129,17 +144,23 @@ def _turn_gaps(store: Store, dataset: str, log: list[dict[str, Any]]) -> list[fl
     return gaps
 
 
-def _pct(values: list[float], q: float) -> float:
+def pct(values: list[float], q: float) -> float:
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))] if ordered else float("nan")
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m bench.turns", description=__doc__)
+def turn_args(prog: str, doc: str | None, argv: list[str] | None) -> argparse.Namespace:
+    """The flags of the turn benchmarks, ``--quick`` and ``--dbs``; the workdir cleaned."""
+    p = argparse.ArgumentParser(prog=prog, description=doc)
     p.add_argument("--quick", action="store_true", help="smaller sets")
     p.add_argument("--dbs", default="sqlite")
     args = p.parse_args(argv)
     clean_workdir()
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = turn_args("python -m bench.turns", __doc__, argv)
     lines = 2000 if args.quick else 10000
     conversations = 24 if args.quick else 48
     for kind in args.dbs.split(","):
@@ -147,17 +168,19 @@ def main(argv: list[str] | None = None) -> int:
         print(f"[{kind}] producer, {lines:,} lines of {TURNS}-turn conversations: "
               f"--turns last {rates['last']:,.0f} lines/s, --turns all {rates['all']:,.0f} "
               f"lines/s (ratio {rates['all'] / rates['last']:.2f})")
-        n = conversations * TURNS
-        single = _worker_leg(kind, "single", n, 1, "last", 64)
-        multi = _worker_leg(kind, "multi", conversations, TURNS, "all", 64)
-        print(f"[{kind}] worker CPU per request: single-turn {single['cpu_ms']:.2f} ms "
-              f"({single['requests']} requests), turn of a {TURNS}-turn conversation "
-              f"{multi['cpu_ms']:.2f} ms ({multi['requests']} requests); ratio "
-              f"{multi['cpu_ms'] / single['cpu_ms']:.2f}")
-        gaps = multi["gaps"]
+        folder = WORKDIR / "tmp"
+        single = worker_leg(kind, "single", write_dataset(
+            folder / "single", "single", conversations * TURNS, 200, 1), "last", 64)
+        multi = worker_leg(kind, "multi", write_dataset(
+            folder / "multi", "multi", conversations, 200, TURNS), "all", 64)
+        print(f"[{kind}] worker CPU per request: single-turn {single.cpu_ms:.2f} ms "
+              f"({single.requests} requests), turn of a {TURNS}-turn conversation "
+              f"{multi.cpu_ms:.2f} ms ({multi.requests} requests); ratio "
+              f"{multi.cpu_ms / single.cpu_ms:.2f}")
+        gaps = multi.gaps
         print(f"[{kind}] turn i stored -> turn i+1 at the server ({len(gaps)} turns, "
               f"{conversations} conversations, 64 slots): p50 "
-              f"{1000 * statistics.median(gaps):.1f} ms, p99 {1000 * _pct(gaps, 0.99):.1f} ms")
+              f"{1000 * statistics.median(gaps):.1f} ms, p99 {1000 * pct(gaps, 0.99):.1f} ms")
     return 0
 
 

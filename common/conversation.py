@@ -19,6 +19,10 @@ from typing import Any
 
 Message = dict[str, Any]
 TURN_MODES = ("last", "all")
+DEFAULT_TURNS = "all"  # a new dataset's mode when none is asked for
+# How the error of a turn not started begins when the model's tool calls before it were
+# not the line's: the conversation ended there (workers/tool_turns.py); status counts them.
+TOOLS_DIFFER = "tool calls differ"
 _TURN_MARK = "#turn"
 
 
@@ -46,10 +50,21 @@ def turn_starts(messages: Sequence[Message]) -> list[int]:
     return [*starts, len(messages)]
 
 
-def has_tool_turns(messages: Sequence[Message], tools: Sequence[Any] | None) -> bool:
-    """A conversation that offers or calls tools: its turns wait for tool-call parsing,
-    so it is regenerated at its last turn only."""
-    return bool(tools) or any(m.get("tool_calls") or m.get("role") == "tool" for m in messages)
+def calls_tools(messages: Sequence[Message]) -> bool:
+    """A conversation with tool calls (or tool replies): regenerated turn by turn, its
+    turns after a call need the model's own calls parsed."""
+    return any(m.get("tool_calls") or m.get("role") == "tool" for m in messages)
+
+
+def original_calls(original: Sequence[Message], turn: int) -> list[dict[str, Any]]:
+    """The tool calls of the line's own answer to turn ``turn`` (one assistant message
+    or several in a row), in order."""
+    end = turn_starts(original)[turn - 1]
+    calls: list[dict[str, Any]] = []
+    while end < len(original) and original[end].get("role") == "assistant":
+        calls.extend(original[end].get("tool_calls") or ())
+        end += 1
+    return calls
 
 
 def first_turn(messages: Sequence[Message]) -> list[Message]:

@@ -8,6 +8,10 @@ A conversation's state is read from its turns, never stored apart, so it cannot 
   partial      some turns stored, no turn left to run (its dataset closed, or a turn
                failed or had no room under max_seq_len);
   not started  no turn stored and none left to run.
+
+``tools_differ`` counts, among the partial ones, those that ended because the model's tool
+calls were not the line's (workers/tool_turns.py): their next turn is skipped with an
+error beginning ``TOOLS_DIFFER``.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ from typing import Any
 
 import sqlalchemy as sa
 
+from common.conversation import TOOLS_DIFFER
 from common.schema import conversations, prompt_inputs, prompts, results
 from common.store import Store, by_keys, key_params
 
@@ -48,6 +53,7 @@ class ConversationCounts:
     in_progress: int = 0
     partial: int = 0
     not_started: int = 0
+    tools_differ: int = 0  # partial: the model's tool calls were not the line's
 
 
 def turn_contexts(store: Store, keys: Sequence[tuple[str, str]]
@@ -111,6 +117,8 @@ def conversation_counts(store: Store, dataset: str, closed: bool) -> Conversatio
         conversations.c.turns,
         sa.func.count(results.c.id).label("stored"),
         sa.func.sum(sa.case((prompts.c.state == "queued", 1), else_=0)).label("pending"),
+        sa.func.sum(sa.case((prompts.c.error.like(f"{TOOLS_DIFFER}%"), 1), else_=0)
+                    ).label("differ"),
     ).select_from(_turns_stored()).where(conversations.c.dataset == dataset).group_by(
         conversations.c.conversation, conversations.c.turns).subquery()
     complete = per.c.stored >= per.c.turns
@@ -122,10 +130,12 @@ def conversation_counts(store: Store, dataset: str, closed: bool) -> Conversatio
     q = sa.select(
         sa.func.count(), count(complete), count(running),
         count(sa.and_(sa.not_(complete), sa.not_(running), per.c.stored > 0)),
+        count(per.c.differ > 0),
     ).select_from(per)
     with store.engine.connect() as conn:
-        total, done, going, partial = (int(n) for n in conn.execute(q).one())
-    return ConversationCounts(total, done, going, partial, total - done - going - partial)
+        total, done, going, partial, differ = (int(n) for n in conn.execute(q).one())
+    return ConversationCounts(total, done, going, partial, total - done - going - partial,
+                              differ)
 
 
 @dataclass(frozen=True)

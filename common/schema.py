@@ -64,6 +64,8 @@ datasets = sa.Table(
     # "all": every assistant turn regenerated, one prompt per turn; NULL or "last": the
     # last turn only, after the line's own earlier answers.
     sa.Column("turns", sa.String(8)),
+    # SGLang's --tool-call-parser name its tool-calling turns are parsed with (NULL: none).
+    sa.Column("tool_call_parser", sa.String(64)),
     # The chat template's kwargs: workers render a conversation's later turns with them.
     sa.Column("template_kwargs", sa.JSON(none_as_null=True)),
     # common/order.py: "shuffle" (with its seed) or "file" (seed NULL). A dataset created
@@ -139,6 +141,7 @@ ADDED_COLUMNS = (
     ("datasets", "seed"), ("prompts", "rank"), ("datasets", "mixtures"),
     ("datasets", "generations"), ("prompt_inputs", "template_kwargs"),
     ("results", "sampling"),
+    ("datasets", "tool_call_parser"),
 )
 # Indexes on added columns, created with them (create_all makes them for a new table only).
 ADDED_INDEXES = ("ix_prompt_inputs_conversation",)

@@ -45,6 +45,8 @@ RETRYABLE_STATUS = {408, 429, 500, 502, 503, 504}
 # Most servers a close aborts on at once (one thread each).
 ABORT_THREADS = 16
 ABORT_READ_TIMEOUT_S = 5.0
+# /parse_function_call runs a regex or two on the server: seconds mean it is stuck.
+PARSE_READ_TIMEOUT_S = 30.0
 
 
 @dataclass(frozen=True)
@@ -200,6 +202,25 @@ class SGLangClient:
             "stream": False,
         }
         resp = self._post(server, "/generate", payload, self.timeout[1])
+        return dataclasses.replace(parse_completion(self._json(server, resp), rid, server),
+                                   sampling_params=sampling_params)
+
+    def parse_function_call(self, server: str, text: str, tools: list[dict[str, Any]],
+                            parser: str) -> tuple[str, list[dict[str, Any]]]:
+        """(normal_text, calls) of a model's output by the server's own tool-call parser
+        (SGLang's ``POST /parse_function_call``); each call ``{"tool_index", "name",
+        "parameters"}`` with ``parameters`` a JSON string."""
+        payload = {"text": text, "tools": tools, "tool_call_parser": parser}
+        body = self._json(server, self._post(server, "/parse_function_call", payload,
+                                             PARSE_READ_TIMEOUT_S))
+        calls = body.get("calls") if isinstance(body, dict) else None
+        if not isinstance(calls, list) or not isinstance(body.get("normal_text"), str):
+            raise IncompatibleServer(f"{server}: /parse_function_call answered without "
+                                     "normal_text and calls", server=server)
+        return body["normal_text"], calls
+
+    def _json(self, server: str, resp: requests.Response) -> Any:
+        """The JSON of a 200 answer; any other sorted into the error tree."""
         if resp.status_code in RETRYABLE_STATUS:
             raise TransientError(
                 f"{server}: HTTP {resp.status_code}: {_error_message(resp)}",
@@ -213,11 +234,9 @@ class SGLangClient:
                 status=resp.status_code,
             )
         try:
-            body = resp.json()
+            return resp.json()
         except ValueError as exc:
             raise TransientError(f"{server}: answer is not JSON", server=server) from exc
-        return dataclasses.replace(parse_completion(body, rid, server),
-                                   sampling_params=sampling_params)
 
     def abort(self, rid: str) -> None:
         self.abort_many([rid])

@@ -42,6 +42,8 @@ class DatasetRow:
     order: Order = field(default_factory=Order)
     mixtures: Mixtures = field(default_factory=Mixtures)
     generations: int = 1  # samples of each prompt, ``<id>_gen<k>`` when more than one
+    # SGLang's parser name for the model's tool calls (``--tool-call-parser``), or None.
+    tool_call_parser: str | None = None
 
 
 @dataclass(frozen=True)
@@ -86,6 +88,7 @@ def _dataset_row(r: sa.Row[Any]) -> DatasetRow:
         order=Order(r.sample_order, r.seed),
         mixtures=Mixtures.from_json(r.mixtures),
         generations=r.generations or 1,
+        tool_call_parser=r.tool_call_parser,
     )
 
 
@@ -222,6 +225,7 @@ class Store:
             "seed": row.order.seed,
             "mixtures": row.mixtures.to_json(),
             "generations": row.generations if row.generations > 1 else None,
+            "tool_call_parser": row.tool_call_parser,
             "updated_at": utcnow(),
         }
         with self.engine.begin() as conn:

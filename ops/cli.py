@@ -50,10 +50,16 @@ def _add_enqueue(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--policy", choices=("drain", "abort", "exact"), default="drain",
                    help="requests in flight when a dataset closes: drain keeps them, abort "
                    "drops them, exact cuts to the budget (default: %(default)s)")
-    p.add_argument("--turns", choices=("last", "all"), default="last",
-                   help="last: regenerate each conversation's last answer after the line's "
-                   "earlier ones; all: regenerate every assistant turn in order, each after "
-                   "the model's own earlier answers (default: %(default)s)")
+    p.add_argument("--turns", choices=("last", "all"), default=None,
+                   help="all: regenerate every assistant turn in order, each after the "
+                   "model's own earlier answers; last: regenerate each conversation's last "
+                   "answer after the line's earlier ones (default: the dataset's stored "
+                   "mode, else all)")
+    p.add_argument("--tool-call-parser", default=None, metavar="NAME",
+                   help="SGLang's --tool-call-parser name (kimi_k2, qwen25, deepseekv3, glm, "
+                   "...): with --turns all, a turn whose original called tools is parsed by "
+                   "the server with it, and the line's tool results follow the model's own "
+                   "calls when they match (default: the dataset's stored one, else none)")
     add_quiet_flag(p)
     p.add_argument("--order", choices=ORDERS, default=None,
                    help="publishing order of each dataset's prompts: shuffle (seeded random, "

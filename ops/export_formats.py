@@ -120,7 +120,6 @@ class SpecForgeBuilder:
                  rows: str = "conversation") -> None:
         self.latest = latest or {}
         self.rows = rows
-        self.turn_samples = ds.turns == "all"
         self.sampling = dataset_sampling(ds)
         self.closer = reasoning_close(ds)
         self.flags = {
@@ -192,8 +191,9 @@ class SpecForgeBuilder:
         source, index = _string(record.get("source_id")), record.get("assistant_turn_index")
         if source is None or not isinstance(index, int) or isinstance(index, bool):
             return None
-        # A conversation's turn i (from 1) has the model's own i - 1 answers before it.
-        return turn_id(source, index + 1) if self.turn_samples else source
+        # A conversation's turn i (from 1) has the model's own i - 1 answers before it; a
+        # line of a single turn is a prompt of its own, under its own id.
+        return turn_id(source, index + 1) if source in self.latest else source
 
 
 def _string(value: Any) -> str | None:

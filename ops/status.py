@@ -21,7 +21,8 @@ dataset has none: its prompts left queued are dropped when a worker meets them.
 ``conversations`` (datasets enqueued with ``--turns all``; null otherwise) counts the
 dataset's conversations by state, read from their turns (common/conversation_store.py):
 ``complete``, ``in_progress``, ``partial`` (some turns stored, none left to run: the
-dataset closed, or a turn failed or had no room) and ``not_started``. There, ``prompts``
+dataset closed, or a turn failed or had no room, or the model's tool calls were not the
+line's: ``tools_differ`` counts those) and ``not_started``. There, ``prompts``
 and the state counts are turns.
 
 A Redis that holds no ledger of a dataset SQL knows (flushed, restarted without its

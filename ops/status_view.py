@@ -90,7 +90,8 @@ def _conversations(r: DatasetStatus) -> str:
     c = r.conversations or {}
     return (f"{r.name}: {c['total']:,} conversations, turn by turn (its prompts are turns): "
             f"{c['complete']:,} complete, {c['in_progress']:,} in progress, "
-            f"{c['partial']:,} partial, {c['not_started']:,} not started")
+            f"{c['partial']:,} partial ({c.get('tools_differ', 0):,} at tool calls that "
+            f"differ), {c['not_started']:,} not started")
 
 
 def render(rows: Sequence[DatasetStatus], totals: Totals | None,

@@ -65,11 +65,11 @@ def build_plans(args: argparse.Namespace, settings: Settings) -> list[DatasetPla
                   getattr(args, "generations", None))
     if args.manifest:
         return plans_from_manifest(args.manifest, budget, _sampling(args), args.max_new_tokens,
-                                   args.turns, order, draws)
+                                   args.turns, order, draws, args.tool_call_parser)
     if not args.paths:
         raise ConfigError("give prompt files or folders, or --manifest FILE")
     return plans_from_paths(args.paths, budget, _sampling(args), args.max_new_tokens,
-                            args.turns, order, draws)
+                            args.turns, order, draws, args.tool_call_parser)
 
 
 def run_enqueue(args: argparse.Namespace, settings: Settings) -> int:

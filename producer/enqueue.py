@@ -22,6 +22,7 @@ from typing import Any
 from celery import Celery
 
 from common.audit import queued_in_redis
+from common.conversation import DEFAULT_TURNS
 from common.conversation_store import queued_later_turns
 from common.draws import Mixtures, draw_id, seed_of
 from common.errors import ConfigError
@@ -37,7 +38,7 @@ from producer.plan import DatasetPlan
 from producer.reader import PromptRecord, ReadReport, read_dataset
 from producer.sending import Sender
 from producer.template import ChatTemplater
-from producer.turns import TOOLS_NOTE, conversation_row, first_turns, turn_of
+from producer.turns import conversation_row, first_turns, turn_of
 
 CHUNK = 1000
 # Chunks handed to the writer and not yet written: enough to keep every stage busy while
@@ -181,6 +182,8 @@ class Enqueuer:
         mixtures, generations = self._draws(plan)
         # A mixed key is drawn per sample, never sent as a fixed value.
         fixed = {k: v for k, v in plan.sampling.items() if k not in mixtures.choices}
+        # Modes not asked for are the stored ones: a run without flags goes on as before.
+        old = self.store.dataset(plan.name) if plan.name in self.store.dataset_names() else None
         row = DatasetRow(
             name=plan.name,
             budget=plan.budget,
@@ -189,14 +192,14 @@ class Enqueuer:
             tokenizer=self.templater.name,
             template_hash=self.templater.template_hash,
             reasoning_open=self.templater.reasoning_open,
-            turns=plan.turns,
+            turns=plan.turns or (old.turns if old else DEFAULT_TURNS),
+            tool_call_parser=plan.tool_call_parser or (old.tool_call_parser if old else None),
             template_kwargs=self.templater.kwargs,
             order=self._orders[plan.name],
             mixtures=mixtures,
             generations=generations,
         )
-        if plan.name in self.store.dataset_names():
-            old = self.store.dataset(plan.name)
+        if old is not None:
             if self.store.prompt_counts(plan.name):
                 _refuse_other_draws(old, row)
             if old.turns != row.turns and self.store.prompt_counts(plan.name):
@@ -221,9 +224,8 @@ class Enqueuer:
         in_redis = queued_in_redis(self.ledger.redis, plan.name)
         report = ReadReport(dataset=plan.name, files=[str(f) for f in plan.files])
         records = expand(read_dataset(plan.name, plan.files, report), ds.generations, report)
-        tool_lines = [0]
-        if plan.turns == "all":
-            records = first_turns(records, report, tool_lines)
+        if ds.turns == "all":
+            records = first_turns(records, report, ds.tool_call_parser)
         # In its publishing order: a conversation by its first turn's rank.
         ranked = ds.order.arrange(records, _sample_id)
         for pairs in iter(lambda: list(itertools.islice(ranked, CHUNK)), []):
@@ -240,10 +242,8 @@ class Enqueuer:
             ))
             self._collect(PIPELINE_DEPTH, SENDING_DEPTH)
             yield True
-        if plan.turns == "all":
+        if ds.turns == "all":
             self._later_turns(plan, ds.stamp, summary, in_redis)
-        if tool_lines[0]:
-            summary.notes.append(TOOLS_NOTE.format(n=tool_lines[0]))
         summary.read, summary.bad, summary.duplicates = report.read, report.bad, report.duplicates
         summary.problems = list(report.problems)
 

@@ -30,10 +30,14 @@ class DatasetPlan:
     budget: Budget = field(default_factory=Budget)
     sampling: dict[str, Any] = field(default_factory=lambda: dict(DEFAULT_SAMPLING))
     max_new_tokens: int = 16384
-    turns: str = "last"  # "all": every assistant turn regenerated (common/conversation.py)
+    # "all": every assistant turn regenerated (common/conversation.py); None: the dataset's
+    # stored mode, else "all" (producer/enqueue.py).
+    turns: str | None = "last"
     order: OrderRequest = field(default_factory=OrderRequest)
     mixtures: Mixtures = field(default_factory=Mixtures)  # common/draws.py
     generations: int | None = None  # None: the dataset's stored number, else 1
+    # SGLang's --tool-call-parser name: tool-calling turns are parsed by the server with it.
+    tool_call_parser: str | None = None
 
 
 @dataclass(frozen=True)
@@ -46,16 +50,17 @@ class Draws:
 
 def plans_from_paths(
     paths: list[str], budget: Budget, sampling: dict[str, Any], max_new_tokens: int,
-    turns: str = "last",
+    turns: str | None = "last",
     order: OrderRequest | None = None,
     draws: Draws | None = None,
+    tool_call_parser: str | None = None,
 ) -> list[DatasetPlan]:
     draws = draws or Draws()
     check_mixtures(draws.mixtures, sampling, name=lambda k: f"--mix {k}")
     return [
         DatasetPlan(name, tuple(files), budget, _fixed(sampling, draws.mixtures),
                     max_new_tokens, turns, order or OrderRequest(), draws.mixtures,
-                    draws.generations)
+                    draws.generations, tool_call_parser)
         for name, files in discover(paths).items()
     ]
 
@@ -67,9 +72,10 @@ def _fixed(sampling: dict[str, Any], mixtures: Mixtures) -> dict[str, Any]:
 
 def plans_from_manifest(
     path: str, budget: Budget, sampling: dict[str, Any], max_new_tokens: int,
-    turns: str = "last",
+    turns: str | None = "last",
     order: OrderRequest | None = None,
     draws: Draws | None = None,
+    tool_call_parser: str | None = None,
 ) -> list[DatasetPlan]:
     """A TOML manifest: one ``[datasets.NAME]`` table per dataset.
 
@@ -80,6 +86,7 @@ def plans_from_manifest(
         basis = "output"                 # output | total
         max_new_tokens = 16384
         turns = "all"                    # all | last
+        tool_call_parser = "kimi_k2"     # SGLang's parser name, for tool-calling turns
         temperature = 0.6                # also top_p, top_k, min_p
         order = "shuffle"                # shuffle | file
         seed = 7
@@ -97,15 +104,16 @@ def plans_from_manifest(
     if not isinstance(tables, dict) or not tables:
         raise ConfigError(f"manifest {path}: no [datasets.NAME] tables")
     return [
-        _plan_from_table(source, name, spec, budget, sampling, max_new_tokens, turns,
-                         order or OrderRequest(), draws or Draws())
+        replace(_plan_from_table(source, name, spec, budget, sampling, max_new_tokens, turns,
+                                 order or OrderRequest(), draws or Draws()),
+                tool_call_parser=_parser_from_table(source, name, spec, tool_call_parser))
         for name, spec in tables.items()
     ]
 
 
 def _plan_from_table(
     source: Path, name: str, spec: Any, budget: Budget, sampling: dict[str, Any], max_new: int,
-    turns: str,
+    turns: str | None,
     order: OrderRequest,
     draws: Draws,
 ) -> DatasetPlan:
@@ -118,7 +126,8 @@ def _plan_from_table(
         if not f.is_file():
             raise ConfigError(f"{where}: file {f} does not exist")
     unknown = set(spec) - {"files", "budget_tokens", "policy", "basis", "max_new_tokens",
-                           "turns", "order", "seed", "generations", "mix", *SAMPLING_KEYS}
+                           "turns", "order", "seed", "generations", "mix", "tool_call_parser",
+                           *SAMPLING_KEYS}
     if unknown:
         raise ConfigError(f"{where}: unknown keys {', '.join(sorted(unknown))}")
     try:
@@ -135,7 +144,7 @@ def _plan_from_table(
     # Refused here, before anything is stored: SGLang would refuse every sample.
     check_sampling({**fixed, "max_new_tokens": max_new_tokens}, name=lambda k: f"{where}: {k}")
     mode = spec.get("turns", turns)
-    if mode not in TURN_MODES:
+    if mode is not None and mode not in TURN_MODES:
         raise ConfigError(f"{where}: turns must be one of {', '.join(TURN_MODES)} "
                           f"(got {mode!r})")
     mixtures = _mixtures_from_table(where, spec, fixed, draws.mixtures)
@@ -156,6 +165,14 @@ def _mixtures_from_table(where: str, spec: dict[str, Any], fixed: dict[str, Any]
     mixtures = merged(flags, own)
     check_mixtures(mixtures, fixed, name=lambda k: f"{where}: mix.{k}")
     return mixtures
+
+
+def _parser_from_table(source: Path, name: str, spec: Any, default: str | None) -> str | None:
+    parser = spec.get("tool_call_parser", default) if isinstance(spec, dict) else default
+    if parser is not None and (not isinstance(parser, str) or not parser.strip()):
+        raise ConfigError(f"manifest {source} [datasets.{name}]: tool_call_parser must be "
+                          f"SGLang's parser name, e.g. \"kimi_k2\" (got {parser!r})")
+    return parser
 
 
 def _order_from_table(where: str, spec: dict[str, Any], order: OrderRequest) -> OrderRequest:

@@ -286,6 +286,10 @@ class ChatTemplater:
     def decode(self, ids: Sequence[int]) -> str:
         return str(self._tok.decode(list(ids), skip_special_tokens=True))
 
+    def decode_all(self, ids: Sequence[int]) -> str:
+        """Text of ids with special tokens kept: tool-call markers often are special."""
+        return str(self._tok.decode(list(ids), skip_special_tokens=False))
+
     def split_reasoning(self, text: str) -> tuple[str, str]:
         """(reasoning_content, content) of a completion generated after the prompt.
 

@@ -2,9 +2,12 @@
 
 The conversation is stored once (``conversations``) and its first turn as a prompt,
 ``<id>#turn1``, whose messages stop before the line's first answer; workers add each
-later turn as the one before it is stored (workers/turns.py). A conversation that offers
-or calls tools is regenerated at its last turn only, as with ``--turns last``, until
-tool calls are parsed from the model's own output.
+later turn as the one before it is stored (workers/turns.py). A line with one turn (a
+prompt, not a dialogue) is stored as with ``--turns last``, under its own id: that is
+what lets ``all`` be the default without renaming every single-turn dataset's samples.
+A conversation whose turns call tools needs SGLang's parser name (``--tool-call-parser``):
+the workers parse the model's own calls with it (workers/tool_turns.py); without one it
+is refused.
 """
 
 from __future__ import annotations
@@ -14,30 +17,35 @@ from collections.abc import Iterable, Iterator
 from typing import Any
 
 from common.conversation import (
+    calls_tools,
     first_turn,
-    has_tool_turns,
     max_conversation_id,
     turn_count,
     turn_id,
 )
+from common.errors import ConfigError
 from common.rows import NewConversation
 from producer.reader import MAX_ID_CHARS, PromptRecord, ReadReport
 
-TOOLS_NOTE = ("{n} conversation(s) with tools regenerated at their last turn only: "
-              "tool-calling turns are not yet regenerated turn by turn")
-
 
 def first_turns(records: Iterable[PromptRecord], report: ReadReport,
-                tool_lines: list[int]) -> Iterator[PromptRecord]:
-    """Each record as its conversation's first turn; a tool conversation as it is (its
-    count added to ``tool_lines[0]``); one whose turn ids would be too long is a bad
-    line."""
+                tool_call_parser: str | None) -> Iterator[PromptRecord]:
+    """Each record as its conversation's first turn; one whose turn ids would be too
+    long is a bad line. A record with a single turn stays a prompt of its own, its id
+    unchanged: regenerating its every turn is regenerating its last one. A conversation
+    calling tools without a parser name stops the enqueue: its turns after a call could
+    not go on."""
     for record in records:
-        if has_tool_turns(record.messages, record.tools):
-            tool_lines[0] += 1
+        if tool_call_parser is None and calls_tools(record.messages):
+            raise ConfigError(
+                f"{record.source}: this conversation calls tools; to regenerate its turns "
+                "one by one (--turns all) pass --tool-call-parser NAME, SGLang's parser "
+                "name for the model (kimi_k2, qwen25, deepseekv3, glm, ...), or regenerate "
+                "its last turn only with --turns last")
+        turns = turn_count(record.messages)
+        if turns == 1:
             yield record
             continue
-        turns = turn_count(record.messages)
         longest = max_conversation_id(MAX_ID_CHARS, turns)
         if len(record.sample_id) > longest:
             report.bad += 1

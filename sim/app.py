@@ -3,7 +3,8 @@
 Routes (SGLang's wire format, see shared/SGLANG_API.md):
   POST|PUT /generate, POST /abort_request, GET /health /health_generate /ready,
   GET /model_info /get_model_info /server_info /get_server_info /v1/models /metrics
-  /v1/loads, GET|POST /flush_cache.
+  /v1/loads, GET|POST /flush_cache, POST /parse_function_call /separate_reasoning (the
+  simulator's own format: sim/toolcalls.py).
 Simulator-only control routes (not SGLang):
   GET  /sim/requests   request log (?limit=N, ?rid_prefix=P)
   GET  /sim/stats      counters: requests, running, waiting, completed, aborted, ...
@@ -20,7 +21,7 @@ from collections.abc import Awaitable, Callable
 
 from aiohttp import web
 
-from sim import control, info, metrics
+from sim import control, info, metrics, parsers
 from sim.config import SimConfig
 from sim.generate import handle_generate
 from sim.responses import drop_connection
@@ -62,6 +63,8 @@ def build_app(cfg: SimConfig) -> web.Application:
     r.add_get("/metrics", metrics.handle_metrics)
     r.add_get("/v1/loads", metrics.handle_loads)
     r.add_route("*", "/flush_cache", info.handle_flush_cache)
+    r.add_post("/parse_function_call", parsers.handle_parse_function_call)
+    r.add_post("/separate_reasoning", parsers.handle_separate_reasoning)
     r.add_get("/sim/requests", control.handle_requests)
     r.add_get("/sim/stats", control.handle_stats)
     r.add_get("/sim/faults", control.handle_faults_get)

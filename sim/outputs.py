@@ -12,7 +12,8 @@ randomness is derived from a blake2b digest of the prompt ids:
 
 The output looks like a reasoning model's: ordinary vocabulary ids, `</think>` about 60 %
 into the output, answer ids, then EOS; with a real tokenizer its own ids and text, else
-the plain vocabulary's (sim/vocab.py).
+the plain vocabulary's (sim/vocab.py). A prompt that asks for tool calls in the test
+tokenizer's format (sim/toolcalls.py) gets them between its answer and EOS.
 """
 
 from __future__ import annotations
@@ -45,6 +46,10 @@ class Vocab(Protocol):
 
     def decode(self, ids: list[int]) -> str:
         """Text of ids with special tokens skipped."""
+        ...
+
+    def call_ids(self, input_ids: list[int], seed: bytes) -> list[int]:
+        """Ids of the tool calls the prompt asks for, placed just before EOS."""
         ...
 
 
@@ -106,17 +111,22 @@ class OutputModel:
     def complete(self, input_ids: list[int], max_new_tokens: int, ignore_eos: bool) -> Completion:
         """Plan the output for a prompt under a max_new_tokens cap."""
         digest = prompt_digest(input_ids)
-        natural = max_new_tokens + 1 if ignore_eos else self.natural_length(digest)
+        calls = [] if ignore_eos else self.vocab.call_ids(input_ids, digest)
+        answer = max_new_tokens + 1 if ignore_eos else self.natural_length(digest)
+        natural = answer + len(calls)
         n = min(natural, max_new_tokens)
         ids = self.vocab.content_ids(digest, n)
         nul_id = self.vocab.nul_id
         if self.nul_every > 0 and nul_id is not None:
             ids[self.nul_every - 1 :: self.nul_every] = [nul_id] * len(
                 range(self.nul_every - 1, n, self.nul_every))
-        think_pos = self._think_position(natural, ignore_eos)
+        think_pos = self._think_position(answer, ignore_eos)
         think_id = self.vocab.think_id
         if think_id is not None and think_pos is not None and think_pos < n:
             ids[think_pos] = think_id
+        end = min(n, answer - 1 + len(calls))
+        if end > answer - 1:  # after the answer, before EOS; max_new_tokens may cut them
+            ids[answer - 1: end] = calls[: end - answer + 1]
         if n == natural:
             ids[-1] = self.vocab.eos_id
         finish = "length" if natural >= max_new_tokens else "stop"

@@ -17,6 +17,8 @@ from array import array
 from pathlib import Path
 from typing import Any
 
+from sim.toolcalls import CALLS_OPEN, TOOLS_OPEN, call_block, planned_calls
+
 PLAIN_EOS_ID = 2
 PLAIN_THINK_ID = 3
 PLAIN_THINK_TEXT = "</think>"
@@ -40,6 +42,10 @@ class PlainVocab:
     eos_id: int = PLAIN_EOS_ID
     think_id: int | None = PLAIN_THINK_ID
     nul_id: int | None = PLAIN_NUL_ID
+
+    def call_ids(self, input_ids: list[int], seed: bytes) -> list[int]:
+        """No tool calls: the plain vocabulary has no format for them."""
+        return []
 
     def content_ids(self, seed: bytes, n: int) -> list[int]:
         """n ids in [PLAIN_LOW, PLAIN_HIGH)."""
@@ -82,6 +88,9 @@ class _CodeTokenizer:
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return str(self.hf.decode(ids, skip_special_tokens=skip_special_tokens))
 
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        return list(self.hf.encode(text, add_special_tokens=add_special_tokens))
+
     def decode_batch(self, batch: list[list[int]]) -> list[str]:
         return [self.decode(ids) for ids in batch]
 
@@ -112,6 +121,11 @@ class TokenizerVocab:
         self.tokenizer = _open_tokenizer(root, trust_remote_code)
         self.eos_id = self._find_eos(root)
         self.think_id: int | None = self.tokenizer.token_to_id("</think>")
+        # Prompts offering tools in the remote-code test tokenizer's format can be answered
+        # with tool calls (sim/toolcalls.py); other tokenizers never call tools.
+        self.tools_id: int | None = (self.tokenizer.token_to_id(TOOLS_OPEN)
+                                     if self.tokenizer.token_to_id(CALLS_OPEN) is not None
+                                     else None)
         self.nul_id: int | None = None
         self.pool = self._ordinary_ids()
         if not self.pool:
@@ -156,6 +170,17 @@ class TokenizerVocab:
     def decode(self, ids: list[int]) -> str:
         """Tokenizer decode with special tokens skipped (`</think>` is not special: it stays)."""
         return str(self.tokenizer.decode(ids, skip_special_tokens=True))
+
+    def call_ids(self, input_ids: list[int], seed: bytes) -> list[int]:
+        """The ids of the tool calls a prompt asks for (sim/toolcalls.py), none if it offers
+        no tools in a format this tokenizer has."""
+        if self.tools_id is None or self.tools_id not in input_ids:
+            return []
+        names = planned_calls(str(self.tokenizer.decode(input_ids, skip_special_tokens=False)))
+        if not names:
+            return []
+        encoded = self.tokenizer.encode(call_block(names, seed), add_special_tokens=False)
+        return list(getattr(encoded, "ids", encoded))
 
 
 def load_vocab(directory: str, trust_remote_code: bool = False) -> TokenizerVocab:

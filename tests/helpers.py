@@ -21,7 +21,7 @@ from common.keys import KOMBU_UNACKED, KOMBU_UNACKED_INDEX, WORKERS, dataset_key
 from common.ledger import Ledger
 from common.messages import sample_of
 from common.replies import text, texts
-from common.schema import prompts, results
+from common.schema import prompt_inputs, prompts, results
 from common.settings import Settings
 from common.store import Store
 from producer.enqueue import DatasetSummary, Enqueuer, Limits
@@ -95,7 +95,7 @@ def running_worker(settings: Settings, concurrency: int = 16) -> Iterator[Celery
 
 def enqueue_paths(
     settings: Settings, paths: Sequence[str], budget: Budget | None = None,
-    max_new_tokens: int = 512, max_seq_len: int = 4096, turns: str = "last",
+    max_new_tokens: int = 512, max_seq_len: int = 4096, turns: str | None = "last",
 ) -> list[DatasetSummary]:
     store = Store(settings.database_url)
     ledger = Ledger(_redis(settings))
@@ -186,3 +186,45 @@ def assert_invariants(store: Store, ledger: Ledger, datasets: Sequence[str]) -> 
                 prompts.c.dataset == name, prompts.c.state == "done"))
             kept = conn.scalar(sa.select(sa.func.count()).where(results.c.dataset == name))
         assert done == kept, (name, done, kept)
+
+
+def turn_rows(store: Store, dataset: str) -> dict[str, list[Any]]:
+    """A dataset's turns by conversation, in order: each turn's prompt, state and error, and
+    its result's text and ids (None while it has none)."""
+    q = (sa.select(prompt_inputs.c.conversation, prompt_inputs.c.turn, prompt_inputs.c.messages,
+                   prompt_inputs.c.input_ids, prompts.c.state, prompts.c.error,
+                   results.c.output_text, results.c.output_ids)
+         .join(prompts, sa.and_(prompts.c.dataset == prompt_inputs.c.dataset,
+                                prompts.c.sample_id == prompt_inputs.c.sample_id))
+         .join(results, sa.and_(results.c.dataset == prompt_inputs.c.dataset,
+                                results.c.sample_id == prompt_inputs.c.sample_id), isouter=True)
+         .where(prompt_inputs.c.dataset == dataset)
+         .order_by(prompt_inputs.c.conversation, prompt_inputs.c.turn))
+    by: dict[str, list[Any]] = {}
+    with store.engine.connect() as conn:
+        for row in conn.execute(q):
+            by.setdefault(row.conversation, []).append(row)
+    return by
+
+
+def history_with_own_answers(
+    messages: Sequence[dict[str, Any]], turn: int,
+    own: Callable[[int, dict[str, Any]], dict[str, Any]],
+) -> list[dict[str, Any]]:
+    """A reference for turn ``turn``'s prompt messages, built apart from datagen's code:
+    the line's messages up to that turn's answer, its k-th answer (a run of assistant
+    messages) replaced by ``own(k, first message of the run)``."""
+    out: list[dict[str, Any]] = []
+    seen, previous = 0, None
+    for message in messages:
+        if message["role"] == "assistant":
+            if previous == "assistant":
+                continue
+            seen += 1
+            if seen == turn:
+                break
+            out.append(own(seen, message))
+        else:
+            out.append(message)
+        previous = message["role"]
+    return out

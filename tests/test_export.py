@@ -26,7 +26,7 @@ from common.settings import Settings
 from common.store import DatasetRow, Store
 from ops import export_rows
 from ops.export import DatasetExport, add_export_parser, run_export, write_rows
-from ops.export_formats import SpeculatorsBuilder
+from ops.export_formats import SpecForgeBuilder, SpeculatorsBuilder
 from ops.export_io import ParquetSink, Sink, parquet_schema
 from ops.export_rows import BATCH_ROWS, ExportRow
 from ops.specforge_check import row_error
@@ -411,6 +411,20 @@ def test_out_is_a_file_and_missing_manifest(sqlite_url: str, tmp_path: Path) -> 
         run_export(_args("export", "--format", "parquet", "--out", str(target)), settings)
     with pytest.raises(ConfigError, match=r"manifest\.datagen not found"):
         run_validate(_args("validate", str(tmp_path)), settings)
+
+
+def test_a_specforge_turn_row_names_the_turn_it_was_made_from() -> None:
+    # Under --turns all a conversation's turn k is stored as <id>#turn<k> (from 1), while a
+    # line of a single turn keeps its own id: its row (#turn0) maps back to that id.
+    ds = DatasetRow("d", Budget(), {"temperature": 0.6}, 4096, "/no/such/tokenizer", "h",
+                    turns="all")
+    builder = SpecForgeBuilder(ds, latest={"chat": 3}, rows="turn")
+    assert builder.sample_id_of({"source_id": "chat", "assistant_turn_index": 0}) == "chat#turn1"
+    assert builder.sample_id_of({"source_id": "chat", "assistant_turn_index": 2}) == "chat#turn3"
+    assert builder.sample_id_of({"source_id": "solo", "assistant_turn_index": 0}) == "solo"
+    assert builder.sample_id_of({"source_id": "chat", "assistant_turn_index": True}) is None
+    whole = SpecForgeBuilder(ds, latest={"chat": 3})
+    assert whole.sample_id_of({"id": "chat#turn3"}) == "chat#turn3"
 
 
 def test_speculators_text_omitted_without_tokenizer_files() -> None:

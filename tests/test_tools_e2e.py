@@ -72,7 +72,7 @@ def test_tool_conversations_end_to_end_with_a_code_tokenizer(
     path = _write(tmp_path / "tools.jsonl", [*LINES[:4], BAD, *LINES[4:]])
     assert main(["enqueue", str(path), "-q"]) == 2  # the folder's code is not run unasked
     assert "--trust-remote-code" in capsys.readouterr().err
-    assert main(["enqueue", str(path), "-q", "--trust-remote-code",
+    assert main(["enqueue", str(path), "-q", "--trust-remote-code", "--turns", "last",
                  "--max-new-tokens", "64"]) == 0
     err = capsys.readouterr().err
     assert f"{path}:5: turn 2 answers tool call 'nope', which no earlier" in err

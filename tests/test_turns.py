@@ -32,11 +32,17 @@ from common.tokenizer_files import load_tokenizer
 from ops.cli import main
 from producer.plan import plans_from_manifest
 from producer.template import BUNDLED_TOKENIZER
-from producer.turns import TOOLS_NOTE
 from sim.reqlog import input_sha1
 from tests.conftest import make_settings
 from tests.faultkit import wait_for
-from tests.helpers import assert_invariants, enqueue_paths, running_worker, wait_settled
+from tests.helpers import (
+    assert_invariants,
+    enqueue_paths,
+    history_with_own_answers,
+    running_worker,
+    turn_rows,
+    wait_settled,
+)
 from workers.context import WorkerContext
 from workers.pipeline import Outcome, run_sample
 
@@ -54,7 +60,7 @@ def _conversation(i: int, turns: int) -> dict[str, Any]:
     return {"id": f"c{i}", "messages": messages}
 
 
-LINES = [_conversation(i, 1 + i % 3) for i in range(8)]
+LINES = [_conversation(i, 2 + i % 3) for i in range(8)]  # 2 to 4 turns each
 
 
 def _write(path: Path, lines: list[dict[str, Any]]) -> Path:
@@ -105,45 +111,18 @@ def _thought(output: str) -> str:
 def _reference_ids(hf: Any, line: dict[str, Any], answers: list[str], turn: int) -> list[int]:
     """Turn ``turn``'s ids built here: the line's messages up to that user turn, each
     earlier answer replaced by the stored own answer, reasoning split at ``</think>``."""
-    messages: list[dict[str, Any]] = []
-    seen = 0
-    previous = None
-    for message in line["messages"]:
-        if message["role"] == "assistant":
-            if previous == "assistant":
-                continue
-            seen += 1
-            if seen == turn:
-                break
-            own = {"role": "assistant", "content": _answer(answers[seen - 1]),
-                   "reasoning_content": _thought(answers[seen - 1])}
-            messages.append(own)
-        else:
-            messages.append(message)
-        previous = message["role"]
+    messages = history_with_own_answers(line["messages"], turn, lambda k, _: {
+        "role": "assistant", "content": _answer(answers[k - 1]),
+        "reasoning_content": _thought(answers[k - 1])})
     ids = hf.apply_chat_template(messages, tokenize=True, add_generation_prompt=True,
                                  return_dict=False)
     return list(ids)
 
 
-def _turn_rows(store: Store, dataset: str) -> dict[str, list[Any]]:
-    q = (sa.select(prompt_inputs.c.conversation, prompt_inputs.c.turn, prompt_inputs.c.messages,
-                   prompt_inputs.c.input_ids, results.c.output_text)
-         .join(results, sa.and_(results.c.dataset == prompt_inputs.c.dataset,
-                                results.c.sample_id == prompt_inputs.c.sample_id), isouter=True)
-         .where(prompt_inputs.c.dataset == dataset)
-         .order_by(prompt_inputs.c.conversation, prompt_inputs.c.turn))
-    by: dict[str, list[Any]] = {}
-    with store.engine.connect() as conn:
-        for row in conn.execute(q):
-            by.setdefault(row.conversation, []).append(row)
-    return by
-
-
 def _check_round_trip(store: Store, sim_url: str, hf: Any, dataset: str,
                       lines: list[dict[str, Any]]) -> None:
     sent = {r["input_sha1"] for r in requests.get(f"{sim_url}/sim/requests", timeout=5).json()}
-    by = _turn_rows(store, dataset)
+    by = turn_rows(store, dataset)
     assert set(by) == {line["id"] for line in lines}
     for line in lines:
         rows = by[line["id"]]
@@ -174,7 +153,7 @@ def test_every_turn_is_regenerated_after_the_models_own_answers(
     assert_invariants(store, ledger, ["talk"])
     hf = load_tokenizer(str(BUNDLED_TOKENIZER))
     _check_round_trip(store, settings.sglang_urls[0], hf, "talk", LINES)
-    by = _turn_rows(store, "talk")
+    by = turn_rows(store, "talk")
     assert store.prompt_counts("talk") == {"done": sum(len(rows) for rows in by.values())}
     complete = sum(len(by[line["id"]]) == _turns(line) for line in LINES)
     assert complete > len(LINES) // 2  # most answers are whole at this cap
@@ -209,7 +188,7 @@ def _check_specforge(store: Store, out: Path, dataset: str, lines: list[dict[str
     assert main(["export", "--format", "specforge", "--out", str(out)]) == 0
     rows = [json.loads(x) for x in
             (out / f"{dataset}.specforge.jsonl").read_text().splitlines()]
-    by = _turn_rows(store, dataset)
+    by = turn_rows(store, dataset)
     # A conversation that ended on a turn without an answer has no row SpecForge takes.
     assert len(rows) == sum(bool(_answer(by[line["id"]][-1].output_text)) for line in lines)
     for row in rows:
@@ -252,7 +231,7 @@ def _check_specforge_turn_rows(store: Store, whole: Path, out: Path, dataset: st
     assert main(["export", "--format", "specforge", "--rows", "turn", "--out", str(out)]) == 0
     rows = {r["id"]: r for r in map(json.loads, (out / f"{dataset}.specforge.jsonl")
                                     .read_text().splitlines())}
-    by = _turn_rows(store, dataset)
+    by = turn_rows(store, dataset)
     answered = {(c, t.turn) for c, turns in by.items() for t in turns
                 if _answer(t.output_text)}
     assert set(rows) == {f"{c}#turn{turn - 1}" for c, turn in answered}
@@ -288,7 +267,7 @@ def test_a_budget_closing_mid_conversation_starts_no_later_turn(
     assert log and max(r["arrived_ts"] for r in log) <= ds.closed_at.timestamp()
     assert_invariants(store, ledger, ["short"])
 
-    by = _turn_rows(store, "short")
+    by = turn_rows(store, "short")
     stored = {c: sum(r.output_text is not None for r in rows) for c, rows in by.items()}
     waiting = [r for rows in by.values() for r in rows if r.output_text is None]
     # The turns the stored ones made possible are kept, queued, and were never sent.
@@ -337,7 +316,7 @@ def test_workers_killed_mid_conversation_store_every_turn_once(tmp_path: Path) -
             quiesce(ledger, ["chats"])
         check = check_run(store, ledger, ["chats"], entries=load_requests(log_file=sim.log_file))
     check.assert_ok()  # every turn settled once, no duplicate row, counters equal SQL
-    by = _turn_rows(store, "chats")
+    by = turn_rows(store, "chats")
     assert set(by) == {line["id"] for line in lines}
     for rows in by.values():
         assert [r.turn for r in rows] == list(range(1, len(rows) + 1))  # each turn once
@@ -368,7 +347,7 @@ def test_turns_with_a_code_tokenizer_whose_template_renders_earlier_reasoning(
     assert_invariants(store, ledger, ["coded"])
     hf = load_tokenizer(str(remote_tokenizer), trust_remote_code=True)
     _check_round_trip(store, code_sim, hf, "coded", LINES)
-    later = [r for rows in _turn_rows(store, "coded").values() for r in rows if r.turn > 1]
+    later = [r for rows in turn_rows(store, "coded").values() for r in rows if r.turn > 1]
     assert later and all("<think>" in hf.decode(r.input_ids).partition("<think>")[2]
                          for r in later)
     _check_specforge(store, tmp_path / "export", "coded", LINES)
@@ -388,7 +367,7 @@ def test_a_next_turn_stored_but_not_published_is_sent_by_the_sweep_and_by_enqueu
                  "first turns stored")
     later = queued_later_turns(store, "lost")
     assert len(later) == sum(bool(_answer(rows[0].output_text))
-                             for rows in _turn_rows(store, "lost").values())
+                             for rows in turn_rows(store, "lost").values())
     assert later and queued_in_redis(ledger.redis, "lost") == set()
     monkeypatch.undo()
 
@@ -422,9 +401,9 @@ def test_turns_from_a_manifest_and_a_mode_kept_per_dataset(
     with pytest.raises(ConfigError, match="turns must be one of last, all"):
         plans_from_manifest(str(manifest), Budget(), {}, 64)
 
-    [summary] = enqueue_paths(settings, [str(path)], turns="all")
-    # The tool conversation is taken at its last turn, as today, and said so.
-    assert summary.notes == [TOOLS_NOTE.format(n=1)]
+    enqueue_paths(settings, [str(path)], turns="all")
+    # Tools offered and none called: no parser needed. A single turn is a prompt of its
+    # own, under its own id, as with --turns last.
     assert set(store.prompt_states("mixed")) == {"c2#turn1", "tooled"}
     with pytest.raises(ConfigError, match="--turns all"):
         enqueue_paths(settings, [str(path)], turns="last")
@@ -440,7 +419,7 @@ def test_a_redelivered_turn_publishes_its_next_and_a_failed_build_keeps_the_resu
     ctx = WorkerContext.build(settings)
     assert run_sample(ctx, "redo", "c0#turn1") == Outcome.DONE
     # The simulator's output is a function of the prompt: this one has an answer.
-    assert _answer(_turn_rows(store, "redo")["c0"][0].output_text)
+    assert _answer(turn_rows(store, "redo")["c0"][0].output_text)
     assert queued_in_redis(ledger.redis, "redo") == {"c0#turn2"}
     # The worker died after the commit, before publishing: the redelivered turn does it.
     ledger.redis.delete(*dataset_keys("redo").queue_lists)
@@ -453,7 +432,7 @@ def test_a_redelivered_turn_publishes_its_next_and_a_failed_build_keeps_the_resu
 
     monkeypatch.setattr(ctx.next_turns, "build", broken)
     assert run_sample(ctx, "redo", "c2#turn1") == Outcome.DONE
-    assert [r.turn for r in _turn_rows(store, "redo")["c2"]] == [1]
+    assert [r.turn for r in turn_rows(store, "redo")["c2"]] == [1]
     assert store.prompt_counts("redo") == {"done": 2, "queued": 1}
 
 
@@ -476,5 +455,18 @@ def test_an_exact_close_cuts_a_turn_and_gives_it_no_successor(
                                results.c.sample_id == prompt_inputs.c.sample_id))
                            .where(results.c.dataset == "cut",
                                   results.c.finish_reason == "budget")).one()
-    turns = [r.turn for r in _turn_rows(store, "cut")[cut.conversation]]
+    turns = [r.turn for r in turn_rows(store, "cut")[cut.conversation]]
     assert turns[-1] == cut.turn  # nothing made after the cut answer
+
+
+def test_without_a_mode_a_new_dataset_is_all_and_an_old_one_keeps_its_own(
+    settings: Settings, store: Store, tmp_path: Path
+) -> None:
+    fresh = _write(tmp_path / "fresh.jsonl", LINES[:2])
+    enqueue_paths(settings, [str(fresh)], turns=None)
+    assert store.dataset("fresh").turns == "all"
+    assert set(store.prompt_states("fresh")) == {"c0#turn1", "c1#turn1"}
+    old = _write(tmp_path / "old.jsonl", LINES[:2])
+    enqueue_paths(settings, [str(old)], turns="last")
+    [summary] = enqueue_paths(settings, [str(old)], turns=None)  # not refused: still last
+    assert store.dataset("old").turns == "last" and summary.enqueued == 0

@@ -58,7 +58,7 @@ class WorkerContext:
 
     def __post_init__(self) -> None:
         self.results = ResultWriter(self.store)
-        self.next_turns = NextTurns(self.store, self.settings.trust_remote_code)
+        self.next_turns = NextTurns(self.store, self.settings.trust_remote_code, self.client)
         self.metrics.threads.set(self.settings.concurrency)
         most = max(1, min(MAX_GROUP, self.settings.concurrency))
         # With every slot busy, a worker's tasks are split between the two steps (and

@@ -1,12 +1,14 @@
 """A conversation's next turn, built by the worker that stores the turn before it.
 
 Why here: turn i+1's prompt is turn i's prompt, the model's own answer to it and the
-line's next user message, rendered by the chat template and tokenized. The worker
-holding turn i's result has all of it at hand: it builds turn i+1 in the step that
-stores turn i and inserts it in the same transaction (ON CONFLICT DO NOTHING), so the
-next turn exists exactly when its predecessor is stored, whatever is killed or
-redelivered, and no other process needs the tokenizer. Each process loads a dataset's
-tokenizer once (checked against the template the producer used) and keeps it.
+line's next user message (or, after an answer that called tools, the model's own calls
+parsed by the server and the line's tool results: workers/tool_turns.py), rendered by the
+chat template and tokenized. The worker holding turn i's result has all of it at hand:
+it builds turn i+1 in the step that stores turn i and inserts it in the same transaction
+(ON CONFLICT DO NOTHING), so the next turn exists exactly when its predecessor is stored,
+whatever is killed or redelivered, and no other process needs the tokenizer. Each
+process loads a dataset's tokenizer once (checked against the template the producer used)
+and keeps it.
 
 The next turn is published once the transaction commits, into its dataset's queue like
 any prompt (behind the messages already waiting there). If the worker dies between the
@@ -21,15 +23,17 @@ import logging
 import threading
 from collections.abc import Sequence
 
-from common.conversation import next_turn, own_answer, turn_id
+from common.conversation import Message, next_turn, original_calls, own_answer, turn_id
 from common.conversation_store import TurnContext, turn_contexts, turn_state
 from common.draws import seed_of
 from common.errors import ConfigError
 from common.ledger import Ledger
 from common.publish import Publisher
 from common.rows import NewPrompt, ResultRow, allowance
+from common.sglang_client import SGLangClient
 from common.store import DatasetRow, Store
 from producer.template import ChatTemplater
+from workers.tool_turns import ToolsDiffer, parse_text, tool_answer
 
 log = logging.getLogger(__name__)
 Kept = tuple[DatasetRow, ResultRow]
@@ -38,8 +42,10 @@ Kept = tuple[DatasetRow, ResultRow]
 class NextTurns:
     """Builds the next turns of the conversation turns a worker stores."""
 
-    def __init__(self, store: Store, trust_remote_code: bool) -> None:
+    def __init__(self, store: Store, trust_remote_code: bool,
+                 client: SGLangClient | None = None) -> None:
         self.store, self.trust_remote_code = store, trust_remote_code
+        self.client = client  # parses tool-calling turns (workers/tool_turns.py)
         self._templaters: dict[tuple[str, str], ChatTemplater] = {}
         self._lock = threading.Lock()
 
@@ -83,12 +89,13 @@ class NextTurns:
         try:
             drawn = ds.mixtures.template(seed_of(ds.order.seed), context.conversation)
             templater = self.templater(ds).variant(drawn)
-            answer = own_answer(row.output_text, templater.split_reasoning,
-                                templater.reasoning_close is not None)
-            if not str(answer["content"]).strip():
+            answer = self._answer(ds, row, context, templater)
+            if answer is None:
                 return None
             messages = next_turn(context.original, context.prompt, context.turn, answer)
             [input_ids] = templater.encode_batch([messages], [context.tools])
+        except ToolsDiffer as exc:  # the conversation ends here, with the reason stored
+            return self._row(ds, context, turn, [], [], "skipped", str(exc))
         except Exception as exc:  # the conversation ends here, with the reason stored
             log.warning("%s/%s: turn %d could not be built: %s", ds.name,
                         row.sample_id, turn, exc)
@@ -98,6 +105,23 @@ class NextTurns:
         state, max_new_tokens, error = allowance(len(input_ids), max_new, ds.max_seq_len)
         return self._row(ds, context, turn, messages, input_ids, state, error, max_new_tokens,
                          drawn or None)
+
+    def _answer(self, ds: DatasetRow, row: ResultRow, context: TurnContext,
+                templater: ChatTemplater) -> Message | None:
+        """The model's answer as history: with its tool calls where the line's answer
+        called tools; None for an answer with nothing in it."""
+        reasoning = templater.reasoning_close is not None
+        originals = original_calls(context.original, context.turn)
+        if not originals:
+            answer = own_answer(row.output_text, templater.split_reasoning, reasoning)
+            return answer if str(answer["content"]).strip() else None
+        client, parser = self.client, ds.tool_call_parser
+        if client is None or not parser:
+            raise ConfigError(f"dataset {ds.name} has no --tool-call-parser for its tool calls")
+        text = parse_text(templater.decode_all, row.output_ids, row.finish_detail)
+        return tool_answer(lambda t, tools: client.parse_function_call(row.server, t, tools,
+                                                                      parser),
+                           text, context.tools, originals, templater.split_reasoning, reasoning)
 
     @staticmethod
     def _row(ds: DatasetRow, context: TurnContext, turn: int, messages: list[dict[str, object]],
