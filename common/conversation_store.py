@@ -18,7 +18,6 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from fractions import Fraction
 from typing import Any
 
 import sqlalchemy as sa
@@ -149,7 +148,20 @@ class ConversationTokens:
     complete_completion_tokens: int = 0
     open_prompt_tokens: int = 0
     open_completion_tokens: int = 0
-    mean_turns: Fraction = Fraction(0)  # assistant turns a conversation has, on average
+    conversations: int = 0
+    turns: int = 0  # assistant turns of all the conversations
+
+
+@dataclass(frozen=True)
+class SingleTurns:
+    """A --turns all dataset's lines of a single turn: prompts of their own, no
+    conversation (``producer/turns.py``), counted and summed like samples."""
+
+    prompts: int = 0
+    done: int = 0
+    queued: int = 0
+    prompt_tokens: int = 0  # of their results
+    completion_tokens: int = 0
 
 
 def conversation_tokens(store: Store, dataset: str) -> ConversationTokens:
@@ -174,10 +186,26 @@ def conversation_tokens(store: Store, dataset: str) -> ConversationTokens:
         sa.func.coalesce(sa.func.sum(per.c.turns), 0),
     ).select_from(per)
     with store.engine.connect() as conn:
-        done, done_p, done_c, open_p, open_c, chats, turns = (
-            int(n) for n in conn.execute(q).one())
-    return ConversationTokens(done, done_p, done_c, open_p, open_c,
-                              Fraction(turns, chats) if chats else Fraction(0))
+        return ConversationTokens(*(int(n) for n in conn.execute(q).one()))
+
+
+def single_turns(store: Store, dataset: str) -> SingleTurns:
+    """The dataset's prompts outside any conversation, with their results' tokens."""
+    def count(state: str) -> sa.ColumnElement[int]:
+        return sa.func.coalesce(sa.func.sum(sa.case((prompts.c.state == state, 1), else_=0)), 0)
+
+    q = sa.select(
+        sa.func.count(), count("done"), count("queued"),
+        sa.func.coalesce(sa.func.sum(results.c.prompt_tokens), 0),
+        sa.func.coalesce(sa.func.sum(results.c.completion_tokens), 0),
+    ).select_from(
+        prompts.join(prompt_inputs, sa.and_(prompt_inputs.c.dataset == prompts.c.dataset,
+                                            prompt_inputs.c.sample_id == prompts.c.sample_id))
+        .outerjoin(results, sa.and_(results.c.dataset == prompts.c.dataset,
+                                    results.c.sample_id == prompts.c.sample_id))
+    ).where(prompts.c.dataset == dataset, prompt_inputs.c.conversation.is_(None))
+    with store.engine.connect() as conn:
+        return SingleTurns(*(int(n) for n in conn.execute(q).one()))
 
 
 def latest_turns(store: Store, dataset: str, upto_id: int) -> dict[str, int]:

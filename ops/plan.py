@@ -54,7 +54,7 @@ from rich.table import Table
 
 from common.budget import cost_on
 from common.console import make_console
-from common.conversation_store import conversation_counts, conversation_tokens
+from common.conversation_store import conversation_counts, conversation_tokens, single_turns
 from common.settings import Settings
 from common.store import DatasetRow, Store
 from ops import progress
@@ -193,17 +193,21 @@ def build_plan(
 
 def _in_conversations(store: Store, ds: DatasetRow, guess: int | None, prompt_mean: Fraction
                       ) -> tuple[Progress, Mean | None]:
-    """A --turns all dataset's progress and mean, a conversation a sample."""
+    """A --turns all dataset's progress and mean, a conversation a sample (a line of a
+    single turn is a conversation of one)."""
     chats = conversation_counts(store, ds.name, closed=ds.state == "closed")
-    tokens = conversation_tokens(store, ds.name)
+    tokens, one = conversation_tokens(store, ds.name), single_turns(store, ds.name)
     basis = ds.budget.basis
-    whole = ResultSums(tokens.complete, tokens.complete_completion_tokens,
-                       tokens.complete_prompt_tokens)
+    whole = ResultSums(tokens.complete + one.done,
+                       tokens.complete_completion_tokens + one.completion_tokens,
+                       tokens.complete_prompt_tokens + one.prompt_tokens)
     spent = cost_on(basis, tokens.open_prompt_tokens, tokens.open_completion_tokens)
-    turns = tokens.mean_turns
+    units = tokens.conversations + one.prompts
+    turns = Fraction(tokens.turns + one.prompts, units) if units else Fraction(0)
     mean = estimate_mean(whole, basis, None if guess is None else guess * turns,
                          prompt_mean * turns)
-    return Progress(chats.complete, chats.in_progress, spent, "conversations"), mean
+    return Progress(chats.complete + one.done, chats.in_progress + one.queued, spent,
+                    "conversations"), mean
 
 
 def _num(n: int | float | None, fmt: str = ",") -> str:

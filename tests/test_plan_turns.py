@@ -48,9 +48,11 @@ def _plan(capsys: pytest.CaptureFixture[str], *argv: str) -> dict[str, Any]:
 
 
 def _turns(store: Store, dataset: str) -> dict[str, tuple[int, list[tuple[int, int, int]]]]:
-    """conversation -> (its turns, [(turn, prompt tokens, completion tokens) stored])."""
-    q = sa.select(prompt_inputs.c.conversation, conversations.c.turns, prompt_inputs.c.turn,
-                  results.c.prompt_tokens, results.c.completion_tokens).join(
+    """conversation -> (its turns, [(turn, prompt tokens, completion tokens) stored]); a
+    line of a single turn, a prompt of its own, is a conversation of one turn here."""
+    q = sa.select(prompt_inputs.c.sample_id, prompt_inputs.c.conversation,
+                  conversations.c.turns, prompt_inputs.c.turn,
+                  results.c.prompt_tokens, results.c.completion_tokens).outerjoin(
         conversations, sa.and_(conversations.c.dataset == prompt_inputs.c.dataset,
                                conversations.c.conversation == prompt_inputs.c.conversation)
     ).outerjoin(results, sa.and_(results.c.dataset == prompt_inputs.c.dataset,
@@ -58,9 +60,10 @@ def _turns(store: Store, dataset: str) -> dict[str, tuple[int, list[tuple[int, i
                 ).where(prompt_inputs.c.dataset == dataset)
     found: dict[str, tuple[int, list[tuple[int, int, int]]]] = defaultdict(lambda: (0, []))
     with store.engine.connect() as conn:
-        for chat, turns, turn, p, c in conn.execute(q):
-            stored = found[chat][1] + ([(turn, p, c)] if c is not None else [])
-            found[chat] = (turns, stored)
+        for sid, chat, turns, turn, p, c in conn.execute(q):
+            unit = chat or sid
+            stored = found[unit][1] + ([(turn or 1, p, c)] if c is not None else [])
+            found[unit] = (turns or 1, stored)
     return dict(found)
 
 
