@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 from collections.abc import AsyncIterator
 
 from sim.config import SimConfig
@@ -137,13 +138,20 @@ class GpuEngine:
 
     async def _run(self) -> None:
         while True:
+            faults = self.injector.faults
+            self.sched.max_running_requests = (faults.max_running_requests
+                                               or self.cfg.max_running_requests)
+            scale = faults.time_scale or self.cfg.time_scale
             step = self.sched.step()
             if step is None:
                 self._work.clear()
+                idle_from = time.monotonic()
                 await self._work.wait()
+                # The clock of an idle server runs too: a throughput on it counts idling.
+                self.sched.stats.clock_s += (time.monotonic() - idle_from) * scale
                 continue
             self._admit(step)
-            await asyncio.sleep(step.duration_s / self.cfg.time_scale)
+            await asyncio.sleep(step.duration_s / scale)
             self._publish(step)
 
     def _admit(self, step: Step) -> None:
@@ -168,6 +176,11 @@ class GpuEngine:
                 self._end(seq)
 
     # ---- observation ---------------------------------------------------------------------
+
+    def clock(self) -> tuple[float, int]:
+        """Simulated seconds since start (idle time included) and output tokens decoded."""
+        stats = self.sched.stats
+        return stats.clock_s, stats.generated_tokens_total
 
     def gen_throughput(self) -> float:
         """Output tokens per simulated second over the recent window."""

@@ -67,7 +67,15 @@ class SimState:
             "prompt_tokens": self.prompt_tokens,
             "by_finish": dict(counts),
             "gen_throughput": self.engine.gen_throughput(),
+            **self._clock(),
         }
+
+    def _clock(self) -> dict[str, object]:
+        """GPU mode: the simulated clock, on which its throughput is measured."""
+        if not isinstance(self.engine, GpuEngine):
+            return {}
+        clock_s, generated = self.engine.clock()
+        return {"sim_clock_s": clock_s, "generated_tokens": generated}
 
 
 SIM_KEY: web.AppKey[SimState] = web.AppKey("sim", SimState)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Iterator
+from itertools import pairwise
 
 import pytest
 
@@ -53,8 +54,8 @@ def run(server: Server, polls: int, state: LimitState | None = None) -> list[int
 
 
 def direction_changes(limits: list[int]) -> int:
-    moves = [b - a for a, b in zip(limits, limits[1:], strict=False) if b != a]
-    return sum(1 for a, b in zip(moves, moves[1:], strict=False) if (a > 0) != (b > 0))
+    moves = [b - a for a, b in pairwise(limits) if b != a]
+    return sum(1 for a, b in pairwise(moves) if (a > 0) != (b > 0))
 
 
 @pytest.mark.parametrize("capacity", [11, 40, 48])
