@@ -33,6 +33,7 @@ BENCHES: tuple[tuple[str, str, tuple[str, ...], tuple[str, ...]], ...] = (
     ("producer", "bench.producer_rate", (), ("--profile",)),
     ("hotpath", "bench.hotpath", (), ()),
     ("routing", "bench.routing", (), ()),
+    ("concurrency", "bench.concurrency", (), ()),
 )
 BENCH_TIMEOUT_S = 3600
 

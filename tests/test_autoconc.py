@@ -12,7 +12,7 @@ from common.concurrency import AutoLimit, LimitState, share
 from common.errors import ConfigError
 from common.server_loads import ServerLoad
 from common.settings import AUTO, Settings
-from workers.gate import Gate
+from workers.gate import Gate, GateTimeout
 
 CTRL = AutoLimit()
 
@@ -165,6 +165,13 @@ def test_a_place_is_given_back_once_even_on_error(gate: Gate) -> None:
         slot.release()  # the answer came in
         raise RuntimeError("store failed")
     assert gate.inflight() == {A: 0, B: 0}
+
+
+def test_a_task_gives_up_its_wait_before_its_message_could_come_back() -> None:
+    gate = Gate((A,), fallback=1, ready_s=0.0, max_wait_s=0.2)
+    with gate.slot(lambda: A), pytest.raises(GateTimeout), gate.slot(lambda: A):
+        pass
+    assert gate.inflight() == {A: 0}
 
 
 def test_a_server_without_a_load_gets_the_fallback(gate: Gate,

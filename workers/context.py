@@ -180,8 +180,10 @@ def auto_gate(settings: Settings) -> Gate | None:
     if not settings.load_poll_s:
         log.warning("concurrency auto reads the servers' loads, and DATAGEN_LOAD_POLL_S=0 "
                     "turns that off: at most %d requests at once per server", FALLBACK)
-    # The first readings come within an interval of the consumer's start.
-    return Gate(settings.sglang_urls, FALLBACK, ready_s=3 * settings.load_poll_s + 2.0)
+    # The first readings come within an interval of the consumer's start. A task gives
+    # its place in the queue back well before its message could be delivered again.
+    return Gate(settings.sglang_urls, FALLBACK, ready_s=3 * settings.load_poll_s + 2.0,
+                max_wait_s=settings.visibility_timeout_s / 4)
 
 
 def get_context(app: Celery) -> WorkerContext:

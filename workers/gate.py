@@ -41,12 +41,21 @@ class Slot:
             self._gate._release(self.server)
 
 
-class Gate:
-    """Per-server counts of this process's requests in flight, against its limits."""
+class GateTimeout(Exception):
+    """No place came free within the gate's ``max_wait_s``."""
 
-    def __init__(self, urls: tuple[str, ...], fallback: int, ready_s: float) -> None:
+
+class Gate:
+    """Per-server counts of this process's requests in flight, against its limits.
+
+    A task waits at most ``max_wait_s``: its message is unacked meanwhile, and one held
+    longer than the visibility timeout would be delivered a second time."""
+
+    def __init__(self, urls: tuple[str, ...], fallback: int, ready_s: float,
+                 max_wait_s: float = float("inf")) -> None:
         self.urls = urls
         self.fallback = fallback
+        self.max_wait_s = max_wait_s
         self._limits: dict[str, int] = {}
         self._inflight: Counter[str] = Counter()
         self.ready_s = ready_s
@@ -100,10 +109,13 @@ class Gate:
             taken.release()
 
     def _acquire(self, pick: Callable[[], str]) -> str:
+        give_up = time.monotonic() + self.max_wait_s
         with self._cond:
             if self._ready_by is None:
                 self._ready_by = time.monotonic() + self.ready_s
             while True:
+                if time.monotonic() > give_up:
+                    raise GateTimeout(f"no place at any server in {self.max_wait_s:.0f} s")
                 if not self._ready and time.monotonic() < self._ready_by:
                     self._cond.wait(min(RECHECK_S, self._ready_by - time.monotonic()))
                     continue
@@ -113,7 +125,7 @@ class Gate:
                 if self._room(server) > 0:
                     self._inflight[server] += 1
                     return server
-                self._cond.wait(RECHECK_S)
+                self._cond.wait(min(RECHECK_S, max(0.0, give_up - time.monotonic())))
 
     def _release(self, server: str) -> None:
         with self._cond:

@@ -26,6 +26,7 @@ from common.rows import NewPrompt, ResultRow
 from common.sglang_client import Completion
 from common.store import DatasetRow, PromptRow
 from workers.context import WorkerContext
+from workers.gate import GateTimeout
 from workers.inflight import give_back
 from workers.steps import DEFAULT_EXPECTED_TOKENS
 from workers.turns import publish_next, publish_stored_next
@@ -41,6 +42,7 @@ class Outcome(StrEnum):
     DUPLICATE = "duplicate"
     CLOSED = "dropped-closed"
     WAIT = "wait-budget"
+    GATED = "wait-gate"
     DISCARDED = "discarded"
     FINISHED = "already-finished"
     MISSING = "missing-prompt"
@@ -58,8 +60,11 @@ def run_sample(ctx: WorkerContext, dataset: str, sample_id: str) -> Outcome:
         return _run_at(ctx, dataset, sample_id, ctx.client.pick_server(), _nothing)
     # Under concurrency auto, a place at a server first: a task that waits for one holds
     # no admission against the budget. The place is given back once the answer is in.
-    with ctx.gate.slot(ctx.client.pick_server) as slot:
-        return _run_at(ctx, dataset, sample_id, slot.server, slot.release)
+    try:
+        with ctx.gate.slot(ctx.client.pick_server) as slot:
+            return _run_at(ctx, dataset, sample_id, slot.server, slot.release)
+    except GateTimeout:
+        return Outcome.GATED
 
 
 def _nothing() -> None:
