@@ -7,7 +7,7 @@ and the others read that hash. So the servers answer one load request per interv
 whatever the number of workers, and each process's router (common/routing.py) gets the
 same readings. A server that gives no reading has its field deleted: the router then
 sends it its round-robin share. The process that polled also steps the concurrency
-controllers (workers/auto_limits.py); every process gives its gate its share.
+controllers (common/auto_limits.py); every process gives its gate its share.
 """
 
 from __future__ import annotations
@@ -20,10 +20,10 @@ from typing import Any
 import redis
 from celery import bootsteps
 
+from common.auto_limits import process_limits, read_limits, step_limits
 from common.keys import SERVER_LOADS, SERVER_LOADS_LOCK
 from common.routing import LoadRouter
 from common.server_loads import ServerLoad, fetch_loads
-from workers.auto_limits import process_limits, read_limits, step_limits
 from workers.context import get_context
 from workers.gate import Gate
 
