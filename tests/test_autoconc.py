@@ -3,13 +3,17 @@
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Iterator
 from itertools import pairwise
 
 import pytest
+import redis
 
+from common.auto_limits import process_limits, read_limits, step_limits
 from common.concurrency import AutoLimit, LimitState, share
 from common.errors import ConfigError
+from common.keys import AUTO_LIMITS, WORKERS
 from common.server_loads import ServerLoad
 from common.settings import AUTO, Settings
 from workers.gate import Gate, GateTimeout
@@ -193,3 +197,24 @@ def test_concurrency_is_auto_by_default_or_a_number() -> None:
     assert Settings.from_env(auto.to_env()) == auto
     with pytest.raises(ConfigError, match="whole number or auto"):
         Settings.from_env({"DATAGEN_CONCURRENCY": "many"})
+
+
+# -- the fleet's limits in Redis ------------------------------------------------------------
+
+def test_the_poller_steps_one_controller_and_every_worker_takes_its_share(
+        redis_client: redis.Redis) -> None:
+    urls = (A, B)
+    first = step_limits(redis_client, {A: reading(0), B: None}, interval_s=1.0)
+    assert set(first) == {A}
+    # Another worker's poll steps the same state on: the controller outlives the lock.
+    second = step_limits(redis_client, {A: reading(first[A].limit), B: None}, interval_s=1.0)
+    assert second[A].polls == 2 and second[A].limit > first[A].limit
+    assert read_limits(redis_client, list(urls)) == second
+    assert redis_client.pttl(AUTO_LIMITS) > 0
+    now = time.time()
+    redis_client.zadd(WORKERS, {"w1": now, "w2": now, "w3": now, "gone": now - 60})
+    mine = process_limits(redis_client, second, urls, dead_after_s=20)
+    assert mine == {A: share(second[A].limit, 3), B: None}
+    # A server that stops publishing its load loses its state: it gets the fallback.
+    step_limits(redis_client, {A: None, B: None}, interval_s=1.0)
+    assert read_limits(redis_client, list(urls)) == {}
