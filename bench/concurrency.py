@@ -79,9 +79,9 @@ class Shape:
 
 
 SHAPES = {
-    "chat": Shape(800, 600, time_scale=5.0, generations=8),
-    "code": Shape(1500, 4000, time_scale=20.0, generations=6),
-    "agentic": Shape(6000, 8000, time_scale=30.0, generations=5),
+    "chat": Shape(800, 600, time_scale=5.0, generations=6),
+    "code": Shape(1500, 4000, time_scale=20.0, generations=4),
+    "agentic": Shape(6000, 8000, time_scale=30.0, generations=4),
 }
 
 
