@@ -69,7 +69,12 @@ class WorkerContext:
         # tasks that reach its step only after the other step's group is served, its whole
         # linger, while its own group's tasks hold their slots idle: at full rate that
         # wait, not CPU, would bound the worker.
-        enough = max(1, min(most, self.settings.threads // 2))
+        # Under auto most threads wait at the gate, outside both steps: half of what a
+        # server runs at once (the fallback's 64 as its measure) is the mark.
+        busy = self.settings.threads
+        if self.settings.auto_concurrency:
+            busy = min(busy, FALLBACK)
+        enough = max(1, min(most, busy // 2))
         self.admissions = GroupCall(lambda items: steps.admit_group(self.store, self.ledger, items),
                                     max_group=most, linger_s=LINGER_S, enough=enough)
         self.settlements = GroupCall(
