@@ -91,12 +91,16 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--quick", action="store_true", help=f"sweep {QUICK_SWEEP}, half budgets")
     p.add_argument("--shapes", default=",".join(SHAPES))
     p.add_argument("--poll", type=float, default=0.5, help="DATAGEN_LOAD_POLL_S of auto")
+    p.add_argument("--legs", help="comma-separated legs instead of auto and the sweep, e.g. "
+                   "auto or 16,32 (the summary needs auto and a fixed leg)")
     args = p.parse_args(argv)
     args.shapes = [s for s in args.shapes.split(",") if s]
     unknown = set(args.shapes) - set(SHAPES)
     if unknown:
         p.error(f"unknown shapes: {', '.join(sorted(unknown))}")
-    args.sweep = QUICK_SWEEP if args.quick else SWEEP
+    sweep = QUICK_SWEEP if args.quick else SWEEP
+    args.legs = ([x if x == "auto" else int(x) for x in args.legs.split(",")] if args.legs
+                 else ["auto", *sweep])
     return args
 
 
@@ -188,14 +192,14 @@ def prompts(shape_name: str, shape: Shape, n: int) -> Path:
 
 def run_shape(procs: Processes, name: str, shape: Shape,
               args: argparse.Namespace) -> list[dict[str, Any]]:
-    n = math.ceil(1.5 * shape.budget_tokens(args.quick) / shape.output_tokens) + max(args.sweep)
+    n = math.ceil(1.5 * shape.budget_tokens(args.quick) / shape.output_tokens) + max(SWEEP)
     folder = prompts(name, shape, n)
     url, sim = start_sim(procs, slots=48, mean_output=shape.output_tokens, name=f"sim-{name}",
                          extra=("--physics", "gpu", "--profile", "reference", "--time-scale",
                                 str(shape.time_scale), "--context-length", "65536"))
     try:
         legs: list[dict[str, Any]] = []
-        for concurrency in ("auto", *args.sweep):
+        for concurrency in args.legs:
             legs.append(leg(procs, url, folder, name, shape, concurrency, args))
             print(f"  {name} {concurrency}: {legs[-1]}", flush=True)
         return legs
@@ -204,8 +208,8 @@ def run_shape(procs: Processes, name: str, shape: Shape,
 
 
 def summary(name: str, legs: list[dict[str, Any]]) -> dict[str, Any]:
-    auto = legs[0]
-    fixed = legs[1:]
+    auto = next(g for g in legs if g["concurrency"] == "auto")
+    fixed = [g for g in legs if g["concurrency"] != "auto"]
     best = max(fixed, key=lambda r: r["tok_per_s"])
     capacity = max(r["median_running"] for r in legs)
     return {"shape": name, "auto_tok_per_s": auto["tok_per_s"],
@@ -247,9 +251,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parse(argv)
     clean_workdir()
     with Processes() as procs:
-        results = [summary(name, run_shape(procs, name, SHAPES[name], args))
-                   for name in args.shapes]
-    report(results, args)
+        legs = {name: run_shape(procs, name, SHAPES[name], args) for name in args.shapes}
+    if "auto" not in args.legs or len(args.legs) < 2:
+        return 0  # the legs' figures are printed as they end
+    report([summary(name, runs) for name, runs in legs.items()], args)
     return 0
 
 

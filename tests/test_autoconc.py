@@ -98,13 +98,14 @@ def test_a_fleet_short_of_work_does_not_raise_its_limit() -> None:
     assert CTRL.step(state, reading(30)).limit == 30 + 11
 
 
-def test_new_retractions_drop_the_queue_and_old_ones_do_not_count_again() -> None:
-    state = LimitState(44, 0, 5)
-    cut = CTRL.step(state, reading(40, 4, retracted=2))
-    assert cut.limit == 42  # half way to the 40 that run, no queue
-    assert cut.retracted_waiting == 2
-    # The same retracted requests still waiting: back to capacity plus queue.
-    assert CTRL.step(cut, reading(40, 4, retracted=2)).limit == 42
+def test_new_retractions_hold_the_limit_and_old_ones_do_not_count_again() -> None:
+    state = LimitState(30, 0, 5)
+    # Room left by the reading, but the server just retracted: no rise.
+    held = CTRL.step(state, reading(30, 0, retracted=2))
+    assert held.limit == 30 and held.retracted_waiting == 2
+    # The same retracted requests still waiting: the server's running count, plus a
+    # queue, as for any saturated reading.
+    assert CTRL.step(held, reading(30, 2, retracted=2)).limit == 33 - 1
 
 
 def test_a_full_kv_pool_is_saturation_and_the_cap_bounds_the_limit() -> None:
