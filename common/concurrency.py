@@ -14,11 +14,11 @@ more than what runs:
   from a higher limit (which drain only as long requests end) do not push the limit down
   poll after poll.
 * **Retractions rose** (more waiting requests were retracted than at the last reading):
-  the server admitted more than its KV pool holds; the limit holds. It does not fall:
-  the server admits by its own KV reservation whatever the queue's length, so a shorter
-  queue would not retract less, only leave the server nothing to admit when KV frees
-  (measured: cutting to the running count there cost the agentic shape 11% of its
-  tok/s, `bench.concurrency`).
+  the server admitted more than its KV pool holds; the limit does not rise. Nor is it
+  cut below the usual target: the server admits by its own KV reservation whatever the
+  queue's length, so a shorter queue would not retract less, only leave the server
+  nothing to admit when KV frees (measured: cutting to the running count there cost the
+  agentic shape 11% of its tok/s, `bench.concurrency`).
 * **Room left** (nothing waits, slots and KV free): the target is every running slot
   and a queue, but only while the fleet fills the limit it has; a fleet short of work
   (a run's tail) gives no evidence, and the limit holds.
@@ -77,8 +77,12 @@ class AutoLimit:
 
     def target(self, state: LimitState, load: ServerLoad) -> int:
         """Where the limit should go, by this reading."""
+        target = self._by_load(state, load)
         if load.retracted_waiting > state.retracted_waiting:
-            return state.limit
+            return min(target, state.limit)
+        return target
+
+    def _by_load(self, state: LimitState, load: ServerLoad) -> int:
         full = load.max_running and load.running >= load.max_running
         if load.waiting > 0 or full or load.token_usage >= FULL_USAGE:
             return load.running + self.queue(load.running)

@@ -106,6 +106,9 @@ def test_new_retractions_hold_the_limit_and_old_ones_do_not_count_again() -> Non
     # The same retracted requests still waiting: the server's running count, plus a
     # queue, as for any saturated reading.
     assert CTRL.step(held, reading(30, 2, retracted=2)).limit == 33 - 1
+    # New retractions with a long queue: down to the running count plus a queue, as
+    # without them (a server that retracts is saturated), never below.
+    assert CTRL.step(LimitState(40, 0, 5), reading(20, 20, retracted=3)).limit == 31
 
 
 def test_a_full_kv_pool_is_saturation_and_the_cap_bounds_the_limit() -> None:
