@@ -19,9 +19,10 @@ more than what runs:
   queue's length, so a shorter queue would not retract less, only leave the server
   nothing to admit when KV frees (measured: cutting to the running count there cost the
   agentic shape 11% of its tok/s, `bench.concurrency`).
-* **Room left** (nothing waits, slots and KV free): the target is every running slot
-  and a queue, but only while the fleet fills the limit it has; a fleet short of work
-  (a run's tail) gives no evidence, and the limit holds.
+* **Room left** (nothing waits, slots and KV free): the target is what the free slots,
+  or the free KV at the running requests' size, could still run, and a queue; but only
+  while the fleet fills the limit it has: a fleet short of work (a run's tail) gives no
+  evidence, and the limit holds.
 
 The limit moves by ``gain`` of the way to the target each step, and holds while the
 target is within ``deadband`` of it: that damping, and a target read from the server's
@@ -89,9 +90,19 @@ class AutoLimit:
         in_use = load.running + load.waiting
         if in_use + self.deadband(state.limit) < state.limit:
             return state.limit  # the fleet does not fill its limit: nothing learnt
-        # Room for the free slots, and a queue behind them (no cap said: double).
+        return self.room(state, load) + self.queue(load.running)
+
+    def room(self, state: LimitState, load: ServerLoad) -> int:
+        """What the server could run: its free slots (no cap said: double the limit),
+        or as many more requests of the running ones' KV size as its free KV holds, if
+        fewer. A probe to every slot of a KV-bound server would queue requests there
+        that it cannot run for a long while."""
         room = load.max_running if load.max_running else load.running + state.limit
-        return room + self.queue(load.running)
+        if load.running and load.used_tokens and load.max_total_tokens:
+            per_request = load.used_tokens / load.running
+            free = max(0, load.max_total_tokens - load.used_tokens)
+            room = min(room, load.running + int(free / per_request))
+        return max(room, load.running)
 
     def deadband(self, limit: int) -> int:
         return max(1, self.queue(limit) // 2)

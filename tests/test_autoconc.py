@@ -111,6 +111,14 @@ def test_new_retractions_hold_the_limit_and_old_ones_do_not_count_again() -> Non
     assert CTRL.step(LimitState(40, 0, 5), reading(20, 20, retracted=3)).limit == 31
 
 
+def test_room_left_is_what_the_free_kv_holds_at_the_running_requests_size() -> None:
+    # 12 running of 10K KV tokens each, 39K free: 3 more fit, not the 36 free slots.
+    load = reading(12, used=120_000)
+    assert CTRL.room(LimitState(12, 0, 5), load) == 15
+    assert CTRL.step(LimitState(12, 0, 5), load).limit == 15  # half way to 15 + 2
+    assert CTRL.room(LimitState(12, 0, 5), reading(12, used=1200)) == 48  # slots first
+
+
 def test_a_full_kv_pool_is_saturation_and_the_cap_bounds_the_limit() -> None:
     state = LimitState(30, 0, 5)
     assert CTRL.step(state, reading(20, used=155_000)).limit == 26  # 20 + 2 queued, half way
