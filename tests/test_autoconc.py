@@ -201,15 +201,20 @@ class Seen(logging.Handler):
 
 
 def test_a_server_without_a_load_gets_the_fallback(gate: Gate) -> None:
-    # Straight on the gate's logger: a worker started earlier in this process may have
-    # stopped its records from reaching the root logger.
+    # Straight on the gate's logger, enabled: a worker started earlier in this process
+    # may have configured logging so that it is off, above WARNING, or short of root.
     logger, seen = logging.getLogger("workers.gate"), Seen()
+    disabled, level = logger.disabled, logger.level
+    logger.disabled = False
+    logger.setLevel(logging.WARNING)
     logger.addHandler(seen)
     try:
         gate.set_limits({A: None, B: 3})
         gate.set_limits({A: None, B: 3})
     finally:
         logger.removeHandler(seen)
+        logger.disabled = disabled
+        logger.setLevel(level)
     assert gate.limits() == {A: 5, B: 3}
     assert sum("publishes no load" in m for m in seen.messages) == 1
 
