@@ -76,7 +76,13 @@ def whole_or_auto(least: int) -> Callable[[str], int | str]:
     number = whole(least)
 
     def parse(raw: str) -> int | str:
-        return AUTO if raw.strip().lower() == AUTO else number(raw)
+        if raw.strip().lower() == AUTO:
+            return AUTO
+        try:
+            int(raw)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{raw!r} is not a whole number or auto") from None
+        return number(raw)
 
     parse.__name__ = "whole number or auto"
     return parse

@@ -17,6 +17,8 @@ from common.errors import ConfigError
 from common.keys import AUTO_LIMITS, WORKERS
 from common.server_loads import ServerLoad
 from common.settings import AUTO, Settings
+from ops.cli import build_parser
+from workers.command import worker_argv
 from workers.gate import Gate, GateTimeout
 
 CTRL = AutoLimit()
@@ -251,3 +253,14 @@ def test_the_poller_steps_one_controller_and_every_worker_takes_its_share(
     # A server that stops publishing its load loses its state: it gets the fallback.
     step_limits(redis_client, {A: None, B: None}, interval_s=1.0)
     assert read_limits(redis_client, list(urls)) == {}
+
+
+def test_the_worker_flag_takes_auto_or_a_number(capsys: pytest.CaptureFixture[str]) -> None:
+    auto = build_parser().parse_args(["worker", "--concurrency", "auto"])
+    # Celery's pool then takes the app's threads, DATAGEN_MAX_CONCURRENCY.
+    assert not any(a.startswith("--concurrency") for a in worker_argv(auto))
+    fixed = build_parser().parse_args(["worker", "-c", "12"])
+    assert worker_argv(fixed)[-1] == "--concurrency=12"
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["worker", "-c", "many"])
+    assert "'many' is not a whole number or auto" in capsys.readouterr().err
