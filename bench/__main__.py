@@ -34,6 +34,7 @@ BENCHES: tuple[tuple[str, str, tuple[str, ...], tuple[str, ...]], ...] = (
     ("hotpath", "bench.hotpath", (), ()),
     ("routing", "bench.routing", (), ()),
     ("reference-run", "bench.reference_run", (), ()),
+    ("concurrency", "bench.concurrency", (), ()),
 )
 BENCH_TIMEOUT_S = 3600
 

@@ -18,7 +18,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import redis
 import requests
@@ -151,7 +151,7 @@ def sim_completed(url: str) -> int:
 
 # -- workers ---------------------------------------------------------------------------------
 
-def start_worker(procs: Processes, settings: Settings, concurrency: int,
+def start_worker(procs: Processes, settings: Settings, concurrency: int | Literal["auto"],
                  tag: str = "worker") -> subprocess.Popen[bytes]:
     """``datagen worker`` as ``ops/demo.py`` starts it: a subprocess with settings.to_env()."""
     argv = [sys.executable, "-m", "ops.cli", "worker", "--concurrency", str(concurrency),
@@ -159,7 +159,8 @@ def start_worker(procs: Processes, settings: Settings, concurrency: int,
     return procs.start(argv, env=settings.to_env(), log=WORKDIR / f"{tag}.log")
 
 
-def bench_settings(db_url: str, sim_url: str, concurrency: int = 64) -> Settings:
+def bench_settings(db_url: str, sim_url: str,
+                   concurrency: int | Literal["auto"] = 64) -> Settings:
     return Settings(redis_url=REDIS_URL, database_url=db_url, sglang_urls=(sim_url,),
                     tokenizer=str(BUNDLED_TOKENIZER), concurrency=concurrency,
                     request_timeout_s=600, retry_base_s=0.2, retry_max_s=2.0)

@@ -10,7 +10,7 @@ run's ~92M tokens over ~38K samples), ``--workers`` worker processes at each
 
 Everything is scaled down by ``--scale`` (prompts and budgets divided by it) so that a leg
 takes minutes, and the simulator runs ``--time-scale`` times faster than real time. The
-figure is the simulated server's clock (``/sim/stats`` ``clock_s``: its forward passes plus
+figure is the simulated server's clock (``/sim/stats`` ``sim_clock_s``: its forward passes plus
 its idle time, not the simulator's own Python overhead) from the first request to the
 last response, times ``--scale``: GPU-hours of the full run. Scaling keeps the share of
 the run that drains the last requests of each dataset constant in absolute time, so the
@@ -18,14 +18,14 @@ smaller the run, the more that tail weighs: the figure is an upper estimate. Bes
 output tokens, samples, the mean running batch, retractions, and the worst overshoot in
 tokens (absolute: the requests in flight at a close do not shrink with the budget).
 
-    python -m bench.reference_run [--quick] [--concurrency 64,auto] [--scale 10]
+    python -m bench.reference_run [--quick] [--concurrency auto,64] [--scale 10]
 """
 
 from __future__ import annotations
 
 import argparse
 import time
-from typing import Any
+from typing import Any, Literal
 
 import requests
 
@@ -57,8 +57,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--scale", type=int, default=10, help="prompts and budgets divided by it")
     p.add_argument("--time-scale", type=float, default=100.0)
     p.add_argument("--mean-output", type=int, default=2420)
-    p.add_argument("--concurrency", default="64",
-                   help="comma-separated worker concurrencies, one leg each")
+    p.add_argument("--concurrency", default="auto,64",
+                   help="comma-separated worker concurrencies (a number or auto), a leg each")
     p.add_argument("--workers", type=int, default=1)
     p.add_argument("--timeout", type=float, default=3600.0, help="bound of one leg, s")
     args = p.parse_args(argv)
@@ -91,7 +91,7 @@ def one_leg(procs: Processes, args: argparse.Namespace, url: str, folder: Any,
             concurrency: str) -> dict[str, Any]:
     r = fresh_redis()
     budget = FULL_BUDGET // args.scale
-    threads = int(concurrency)
+    threads: int | Literal["auto"] = "auto" if concurrency == "auto" else int(concurrency)
     settings = bench_settings(fresh_db("sqlite", "refrun"), url, threads)
     summaries = enqueue(settings, folder, Budget(budget, "output", "drain"),
                         max_new_tokens=16384)
@@ -103,7 +103,7 @@ def one_leg(procs: Processes, args: argparse.Namespace, url: str, folder: Any,
     try:
         if not wait_until(lambda: sim_stats(url)["requests"] > 0, 120, 0.05):
             raise TimeoutError("no request reached the simulator")
-        started = sim_stats(url)["clock_s"]
+        started = sim_stats(url)["sim_clock_s"]
         samples: list[int] = []
 
         def done() -> bool:
@@ -116,7 +116,7 @@ def one_leg(procs: Processes, args: argparse.Namespace, url: str, folder: Any,
     finally:
         for worker in workers:
             procs.stop(worker)
-    sim_s = float(end["clock_s"]) - float(started)
+    sim_s = float(end["sim_clock_s"]) - float(started)
     used = {name: ledger.state(name).used_tokens for name in names}
     store.engine.dispose()
     return {

@@ -61,6 +61,14 @@ def _routing(r: Any) -> list[Row]:
                  _med(r, "round robin", "pct_of_capacity"), ".1f", "-", None)]
 
 
+def _concurrency(r: Any) -> list[Row]:
+    return [_row("concurrency", "auto / best fixed, output tok/s (worst shape)",
+                 _med(r, "worst_ratio"), ".3f", ">= 0.98", lambda v: v >= 0.98),
+            _row("concurrency", "auto in flight / running capacity (worst shape)",
+                 _med(r, "worst_inflight_vs_capacity"), ".2f", "<= 1.25",
+                 lambda v: v <= 1.25)]
+
+
 def _producer(r: Any) -> list[Row]:
     return [_row("producer", "prompts/s (SQLite)", _med(r, "sqlite", "rate"), ",.0f",
                  ">= 5,000", lambda v: v >= 5000)]
@@ -131,6 +139,7 @@ EXTRACTORS: dict[str, Callable[[Any], list[Row]]] = {
     "saturation": _saturation, "overhead": _overhead,
     "overhead-per-core": _overhead_per_core, "producer": _producer, "guard": _guard,
     "overshoot": _overshoot, "memory": _memory, "scaling": _scaling, "routing": _routing,
+    "concurrency": _concurrency,
 }
 
 

@@ -70,7 +70,7 @@ def celery_config(settings: Settings) -> dict[str, Any]:
         # Celery would only log a traceback per task in flight. Those tasks finish, and the
         # copies Redis puts back find their samples settled (docs/ARCHITECTURE.md).
         "worker_cancel_long_running_tasks_on_connection_loss": False,
-        "broker_pool_limit": max(10, settings.concurrency + 4),
+        "broker_pool_limit": max(10, settings.threads + 4),
     }
 
 

@@ -40,6 +40,10 @@ No other module spells a key string; tests import these functions too.
                                                   as ServerLoad JSON (server_loads.py)
     datagen:server_loads:poll             string  the worker polling them now      1 poll
                                                                                    interval
+    datagen:auto_limits                   hash    the worker polling the servers:  10 x poll
+                                                  server URL -> the fleet's        interval,
+                                                  concurrency limit there, as      >= 60 s
+                                                  LimitState JSON (concurrency.py)
     datagen.q.{name} (+ kombu's \\x06\\x16{3,6,9} priority lists)
                                           list    kombu (Celery's Redis transport)
     unacked                               hash    kombu: delivery tag -> message  none
@@ -68,6 +72,9 @@ REBUILD_LOCK = f"{PREFIX}:rebuilding"
 # The servers' loads, read by one worker per interval and shared with every other.
 SERVER_LOADS = f"{PREFIX}:server_loads"
 SERVER_LOADS_LOCK = f"{PREFIX}:server_loads:poll"
+# The fleet's requests in flight at each server under concurrency auto, stepped by the
+# worker that polled the loads.
+AUTO_LIMITS = f"{PREFIX}:auto_limits"
 QUEUE_PREFIX = f"{PREFIX}.q."
 
 # kombu's Redis transport keeps one list per priority step: the bare queue name for

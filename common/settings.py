@@ -12,12 +12,15 @@ import os
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import Literal
 from urllib.parse import urlsplit
 
 from common.errors import ConfigError
 from common.order import check_seed
 
 ENV_PREFIX = "DATAGEN_"
+# ``concurrency`` that sizes itself from the servers' loads (workers/gate.py).
+AUTO: Literal["auto"] = "auto"
 # A worker at full rate had up to 7 connections out at once, but 230 of its 239 checkouts
 # found at most one other out; the server's max_connections has to cover every process's
 # share (docs/PERFORMANCE.md, "A 100-node SGLang fleet").
@@ -35,6 +38,7 @@ LEAST: dict[str, tuple[float, bool]] = {
     "retry_base_s": (0, True),
     "retry_max_s": (0, True),
     "concurrency": (1, True),
+    "max_concurrency": (1, True),
     # With one, a read made while the thread holds a connection (inside a streamed query's
     # loop) would wait for itself until the pool's timeout.
     "db_connections": (2, True),
@@ -141,8 +145,11 @@ class Settings:
     max_attempts: int = 5
     retry_base_s: float = 2.0
     retry_max_s: float = 60.0
-    # Worker concurrency: a threads pool sized to the SGLang running-request capacity.
-    concurrency: int = 64
+    # Requests a worker has in flight: "auto" keeps each server busy with a small queue,
+    # by its /v1/loads (workers/gate.py); a number is a threads pool of that size.
+    concurrency: int | Literal["auto"] = AUTO
+    # Under "auto": the worker's threads, the most requests it can ever have in flight.
+    max_concurrency: int = 256
     # Most connections one process holds to PostgreSQL (SQLite: not limited). A worker's
     # threads share them: its grouped steps need one or two at a time.
     db_connections: int = DEFAULT_DB_CONNECTIONS
@@ -179,6 +186,8 @@ class Settings:
         code: a bad one stops the command with a message naming its variable."""
         for name, (least, allowed) in LEAST.items():
             value = getattr(self, name)
+            if name == "concurrency" and value == AUTO:
+                continue
             if not math.isfinite(value):
                 raise ConfigError(f"{env_name(name)}={value} is not a finite number")
             if value < least or (value == least and not allowed):
@@ -192,6 +201,15 @@ class Settings:
         check_database_url(self.database_url)
         for url in self.sglang_urls:
             _check_http_url(url)
+
+    @property
+    def auto_concurrency(self) -> bool:
+        return self.concurrency == AUTO
+
+    @property
+    def threads(self) -> int:
+        """The worker's threads: ``concurrency``, or under "auto" ``max_concurrency``."""
+        return self.max_concurrency if self.concurrency == AUTO else int(self.concurrency)
 
     @property
     def visibility_timeout_s(self) -> int:
@@ -239,6 +257,8 @@ class Settings:
 def _parse(name: str, raw: str, default: object) -> object:
     if name == "sglang_urls":
         return _split_urls(raw)
+    if name == "concurrency":
+        return _parse_concurrency(raw)
     try:
         if isinstance(default, bool):
             return raw.strip().lower() in {"1", "true", "yes", "on"}
@@ -250,3 +270,13 @@ def _parse(name: str, raw: str, default: object) -> object:
         kind = "a whole number" if isinstance(default, int) else "a number"
         raise ConfigError(f"{env_name(name)}={raw!r} is not {kind}") from None
     return raw.strip()
+
+
+def _parse_concurrency(raw: str) -> int | Literal["auto"]:
+    if raw.strip().lower() == AUTO:
+        return AUTO
+    try:
+        return int(raw)
+    except ValueError:
+        raise ConfigError(f"{env_name('concurrency')}={raw!r} is not a whole number or "
+                          f"{AUTO}") from None

@@ -12,6 +12,8 @@ import math
 from collections.abc import Callable
 from typing import NoReturn
 
+from common.settings import AUTO
+
 
 class Parser(argparse.ArgumentParser):
     """An ArgumentParser whose errors are one line; its subparsers are of this class too."""
@@ -66,4 +68,21 @@ def number(least: float, *, inclusive: bool = True,
         return value
 
     parse.__name__ = "number"
+    return parse
+
+
+def whole_or_auto(least: int) -> Callable[[str], int | str]:
+    """``auto``, or a whole number of at least ``least``."""
+    number = whole(least)
+
+    def parse(raw: str) -> int | str:
+        if raw.strip().lower() == AUTO:
+            return AUTO
+        try:
+            int(raw)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{raw!r} is not a whole number or auto") from None
+        return number(raw)
+
+    parse.__name__ = "whole number or auto"
     return parse

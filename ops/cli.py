@@ -16,7 +16,7 @@ from common.errors import (
 )
 from common.sampling_rules import add_sampling_flags
 from common.settings import Settings
-from ops.argtypes import Parser, add_quiet_flag, whole
+from ops.argtypes import Parser, add_quiet_flag, whole, whole_or_auto
 
 
 def _add_enqueue(sub: argparse._SubParsersAction) -> None:
@@ -86,8 +86,9 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     _add_enqueue(sub)
     w = sub.add_parser("worker", help="run a Celery worker (threads pool)")
-    w.add_argument("--concurrency", "-c", type=whole(1),
-                   help="requests in flight (default: DATAGEN_CONCURRENCY, 64)")
+    w.add_argument("--concurrency", "-c", type=whole_or_auto(1),
+                   help="requests in flight, or auto: sized by the servers' loads "
+                   "(default: DATAGEN_CONCURRENCY, auto)")
     w.add_argument("--loglevel", default="INFO", type=str.upper,
                    choices=("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"),
                    help="(default: %(default)s)")

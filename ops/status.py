@@ -48,6 +48,7 @@ from typing import Any
 from rich.console import Console, Group, RenderableType
 from rich.live import Live
 
+from common.auto_limits import read_limits
 from common.console import make_console
 from common.conversation_store import ConversationCounts, conversation_counts
 from common.failures import STOPPED, commonest_error
@@ -58,7 +59,7 @@ from common.settings import Settings
 from common.store import DatasetRow, Store
 from ops import progress, status_view
 from ops.progress import RATE_WINDOW_S, ResultSums, Retrying
-from ops.status_servers import collect_servers, render_servers, servers_json
+from ops.status_servers import ServerStatus, collect_servers, render_servers, servers_json
 from ops.status_view import duration
 
 __all__ = ["DatasetStatus", "Totals", "collect", "duration", "eta_seconds", "rebuild_lost",
@@ -257,13 +258,17 @@ def run_status(args: argparse.Namespace, settings: Settings) -> int:
     def frame() -> RenderableType:
         rebuilt = rebuild_lost(store, ledger)
         return Group(render(collect(store, ledger), rebuilt),
-                     render_servers(collect_servers(settings)))
+                     render_servers(servers()))
+
+    def servers() -> list[ServerStatus]:
+        return collect_servers(settings,
+                               limits=read_limits(ledger.redis, list(settings.sglang_urls)))
 
     if args.json:
         for line in rebuild_lost(store, ledger):
             print(f"datagen status: {line}", file=sys.stderr)
         doc = as_json(collect(store, ledger))
-        doc["servers"] = servers_json(collect_servers(settings))
+        doc["servers"] = servers_json(servers())
         print(json.dumps(doc, indent=2))
         return 0
     console = make_console()

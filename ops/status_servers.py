@@ -14,6 +14,7 @@ from dataclasses import asdict, dataclass
 from rich import box
 from rich.table import Table
 
+from common.concurrency import LimitState
 from common.server_loads import ServerLoad, fetch_loads
 from common.settings import Settings, masked
 
@@ -30,25 +31,32 @@ class ServerStatus:
     cache_hit_rate: float | None = None
     retracted_waiting: int | None = None
     gen_throughput: float | None = None
+    # The fleet's requests in flight allowed there under concurrency auto (None: no
+    # worker polls the servers, or none gave a reading).
+    auto_limit: int | None = None
     error: str | None = None
 
 
-def server_row(url: str, load: ServerLoad | None) -> ServerStatus:
+def server_row(url: str, load: ServerLoad | None, auto_limit: int | None = None
+               ) -> ServerStatus:
     if load is None:
         return ServerStatus(masked(url), error=NO_READING)
     return ServerStatus(
         masked(url), running=load.running, waiting=load.waiting, max_running=load.max_running,
         token_usage=round(load.token_usage, 4), cache_hit_rate=round(load.cache_hit_rate, 4),
         retracted_waiting=load.retracted_waiting,
-        gen_throughput=round(load.gen_throughput, 1))
+        gen_throughput=round(load.gen_throughput, 1), auto_limit=auto_limit)
 
 
-def collect_servers(settings: Settings,
-                    headers: Mapping[str, str] | None = None) -> list[ServerStatus]:
+def collect_servers(settings: Settings, headers: Mapping[str, str] | None = None,
+                    limits: Mapping[str, LimitState] | None = None) -> list[ServerStatus]:
+    """Each server's load, and ``limits``: the fleet's concurrency auto states."""
     if headers is None and settings.sglang_api_key:
         headers = {"Authorization": f"Bearer {settings.sglang_api_key}"}
     loads = fetch_loads(settings.sglang_urls, headers=headers)
-    return [server_row(url, loads[url]) for url in settings.sglang_urls]
+    limits = limits or {}
+    return [server_row(url, loads[url], limits[url].limit if url in limits else None)
+            for url in settings.sglang_urls]
 
 
 def servers_json(rows: Sequence[ServerStatus]) -> list[dict[str, object]]:
@@ -62,13 +70,14 @@ def _pct(value: float | None) -> str:
 def render_servers(rows: Sequence[ServerStatus]) -> Table:
     table = Table(box=box.SIMPLE_HEAD, show_edge=False, collapse_padding=True)
     for col in ("server", "running", "waiting", "KV used", "cache hit", "retracted\nwaiting",
-                "tok/s"):
+                "tok/s", "auto\nlimit"):
         table.add_column(col, justify="left" if col == "server" else "right")
     for r in rows:
         if r.error is not None:
-            table.add_row(r.url, r.error, "", "", "", "", "")
+            table.add_row(r.url, r.error, "", "", "", "", "", "")
             continue
         table.add_row(r.url, f"{r.running:,} / {r.max_running:,}", f"{r.waiting:,}",
                       _pct(r.token_usage), _pct(r.cache_hit_rate), f"{r.retracted_waiting:,}",
-                      f"{r.gen_throughput:,.1f}")
+                      f"{r.gen_throughput:,.1f}",
+                      "" if r.auto_limit is None else f"{r.auto_limit:,}")
     return table

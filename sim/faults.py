@@ -18,8 +18,9 @@ from sim.config import SimConfig
 #: What an incoming /generate request should suffer.
 OK, ERROR, DISCONNECT = "ok", "error", "disconnect"
 
-_FLOAT_KEYS = ("error_rate", "disconnect_rate", "latency_s", "decode_tok_per_s")
-_INT_KEYS = ("error_status", "fail_next", "disconnect_next", "abort_next")
+_FLOAT_KEYS = ("error_rate", "disconnect_rate", "latency_s", "decode_tok_per_s", "time_scale")
+_INT_KEYS = ("error_status", "fail_next", "disconnect_next", "abort_next",
+             "max_running_requests")
 
 
 @dataclass
@@ -34,6 +35,10 @@ class Faults:
     latency_s: float = 0.0
     decode_tok_per_s: float = 100.0
     abort_next: int = 0
+    #: GPU mode: the running cap and the speed now (a server losing half its KV to a
+    #: neighbour, a slower node); 0 = as started.
+    max_running_requests: int = 0
+    time_scale: float = 0.0
     #: time.monotonic() until which the server plays dead; 0 = up.
     down_until: float = 0.0
 

@@ -50,10 +50,9 @@ class GpuEngine:
         self._jobs: dict[str, Job] = {}
         self._work = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
-        # Simulated seconds with nothing to run (idle wall time × time_scale): with the
-        # passes' own durations, the server's clock, which the simulator's own Python
-        # overhead does not lengthen.
-        self.idle_s = 0.0
+        # When the server last ran out of work: its idle time, at the time scale, adds to
+        # the passes' durations on its clock, which the simulator's own overhead does not
+        # lengthen.
         self._idle_since: float | None = None
 
     @property
@@ -143,16 +142,21 @@ class GpuEngine:
 
     async def _run(self) -> None:
         while True:
+            faults = self.injector.faults
+            self.sched.max_running_requests = (faults.max_running_requests
+                                               or self.cfg.max_running_requests)
+            scale = self._scale()
             step = self.sched.step()
             if step is None:
                 self._work.clear()
                 self._idle_since = time.monotonic()
                 await self._work.wait()
-                self.idle_s += self._idle_now()
+                # The clock of an idle server runs too: a throughput on it counts idling.
+                self.sched.stats.clock_s += self._idle_now()
                 self._idle_since = None
                 continue
             self._admit(step)
-            await asyncio.sleep(step.duration_s / self.cfg.time_scale)
+            await asyncio.sleep(step.duration_s / scale)
             self._publish(step)
 
     def _admit(self, step: Step) -> None:
@@ -178,15 +182,21 @@ class GpuEngine:
 
     # ---- observation ---------------------------------------------------------------------
 
-    def clock_s(self) -> float:
-        """Simulated seconds since the first request: forward passes plus idle time."""
-        return self.sched.stats.clock_s + self.idle_s + self._idle_now()
+    def clock(self) -> tuple[float, int]:
+        """Simulated seconds since the first request (forward passes and idle time, not
+        the simulator's own overhead) and output tokens decoded."""
+        stats = self.sched.stats
+        return stats.clock_s + self._idle_now(), stats.generated_tokens_total
 
     def _idle_now(self) -> float:
         """Simulated seconds of the idle spell going on, if any."""
         if self._idle_since is None:
             return 0.0
-        return (time.monotonic() - self._idle_since) * self.cfg.time_scale
+        return (time.monotonic() - self._idle_since) * self._scale()
+
+    def _scale(self) -> float:
+        """The time scale now: /sim/faults may change it while the server runs."""
+        return self.injector.faults.time_scale or self.cfg.time_scale
 
     def gen_throughput(self) -> float:
         """Output tokens per simulated second over the recent window."""

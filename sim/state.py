@@ -67,15 +67,16 @@ class SimState:
             "prompt_tokens": self.prompt_tokens,
             "by_finish": dict(counts),
             "gen_throughput": self.engine.gen_throughput(),
-            **self._physics(),
+            **self._clock(),
         }
 
-    def _physics(self) -> dict[str, object]:
-        """GPU physics only (None in fast mode): the simulated server's clock (its passes
-        and idle time) and the requests it retracted."""
+    def _clock(self) -> dict[str, object]:
+        """GPU mode: the simulated clock, on which its throughput is measured, the output
+        tokens decoded and the requests retracted; None in the fast mode."""
         if not isinstance(self.engine, GpuEngine):
-            return {"clock_s": None, "retracted_reqs_total": None}
-        return {"clock_s": self.engine.clock_s(),
+            return {"sim_clock_s": None, "generated_tokens": None, "retracted_reqs_total": None}
+        clock_s, generated = self.engine.clock()
+        return {"sim_clock_s": clock_s, "generated_tokens": generated,
                 "retracted_reqs_total": self.engine.sched.stats.retracted_reqs_total}
 
 

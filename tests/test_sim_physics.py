@@ -234,7 +234,7 @@ def test_gpu_mode_clock_counts_passes_and_idle_time_not_its_own_overhead() -> No
     cfg = SimConfig(port=0, physics="gpu", time_scale=10.0, mean_output_tokens=40)
     with SimServer(cfg) as srv:
         def clock() -> float:
-            return float(requests.get(f"{srv.url}/sim/stats", timeout=10).json()["clock_s"])
+            return float(requests.get(f"{srv.url}/sim/stats", timeout=10).json()["sim_clock_s"])
 
         start = clock()
         meta = generate(srv.url, fresh(100), max_new_tokens=16)
@@ -246,7 +246,7 @@ def test_gpu_mode_clock_counts_passes_and_idle_time_not_its_own_overhead() -> No
         time.sleep(0.5)  # idle: half a second of wall time is 5 simulated seconds
         assert clock() - after_one >= 0.5 * cfg.time_scale
     with SimServer(SimConfig(port=0, decode_tok_per_s=0)) as srv:
-        assert requests.get(f"{srv.url}/sim/stats", timeout=10).json()["clock_s"] is None
+        assert requests.get(f"{srv.url}/sim/stats", timeout=10).json()["sim_clock_s"] is None
 
 
 def test_gpu_mode_streams(gpu: str) -> None:

@@ -25,7 +25,8 @@ import redis
 import sqlalchemy as sa
 from rich.console import Console
 
-from common.keys import STORE_ID
+from common.concurrency import LimitState
+from common.keys import AUTO_LIMITS, STORE_ID
 from common.schema import prompts, results
 from common.settings import Settings
 from common.store import Store, as_utc
@@ -408,6 +409,11 @@ def test_status_shows_each_servers_load(env: Settings, tmp_path: Path,
     assert server["url"] == env.sglang_urls[0] and server["error"] is None
     assert server["max_running"] > 0 and server["running"] >= 0 and server["waiting"] >= 0
     assert 0 <= server["token_usage"] <= 1 and server["gen_throughput"] >= 0
+    assert server["auto_limit"] is None  # no worker polled the servers
+    with redis.Redis.from_url(env.redis_url) as client:
+        client.hset(AUTO_LIMITS, env.sglang_urls[0], LimitState(12, 0, 3).to_json())
+    (server,) = status_json(capsys)["servers"]
+    assert server["auto_limit"] == 12
     silent = f"http://127.0.0.1:{free_port()}"
     (row,) = collect_servers(env.replace(sglang_urls=(silent,)))
     assert (row.url, row.running, row.error) == (silent, None, NO_READING)

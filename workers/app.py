@@ -44,7 +44,7 @@ _GONE: tuple[type[Exception], ...] = (redis.RedisError, ServiceUnavailable, *UNA
 
 def create_app(settings: Settings) -> Celery:
     app = make_celery(settings, main="datagen-worker")
-    app.conf.update(worker_pool="threads", worker_concurrency=settings.concurrency)
+    app.conf.update(worker_pool="threads", worker_concurrency=settings.threads)
     app.datagen_settings = settings  # type: ignore[attr-defined]
     app.datagen_received = Received()  # type: ignore[attr-defined]
     app.datagen_metrics = WorkerMetrics()  # type: ignore[attr-defined]
@@ -116,10 +116,10 @@ def _redis(app: Celery) -> redis.Redis:
 def _prepare_on_start(sender: Any = None, **_: Any) -> None:
     if _ours(getattr(sender, "app", None)):
         threads = getattr(sender, "concurrency", None)
-        if isinstance(threads, int) and threads > 0:
-            # `-c N` wins over DATAGEN_CONCURRENCY: the shared steps' groups are sized to
-            # the threads this worker really runs (workers/context.py).
-            conf = sender.app.datagen_settings
+        conf = sender.app.datagen_settings
+        if isinstance(threads, int) and threads > 0 and threads != conf.threads:
+            # `-c N` wins over DATAGEN_CONCURRENCY (auto included): the shared steps'
+            # groups are sized to the threads this worker really runs (workers/context.py).
             sender.app.datagen_settings = conf.replace(concurrency=threads)
         _serve_metrics(sender.app)
         try:

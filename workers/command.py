@@ -7,14 +7,15 @@ import logging
 import os
 import socket
 
-from common.settings import Settings
+from common.settings import AUTO, Settings, env_name
 
 APP = "workers.celery:app"
 
 
 def worker_argv(args: argparse.Namespace) -> list[str]:
-    """Celery's command line for this worker. Without ``--concurrency`` the app's own
-    ``worker_concurrency`` (DATAGEN_CONCURRENCY) applies."""
+    """Celery's command line for this worker. Without ``--concurrency N`` the app's own
+    ``worker_concurrency`` applies: DATAGEN_CONCURRENCY, or under auto the most threads
+    (DATAGEN_MAX_CONCURRENCY)."""
     argv = [
         f"--app={APP}",
         "worker",
@@ -24,12 +25,16 @@ def worker_argv(args: argparse.Namespace) -> list[str]:
         "--without-gossip",
         "--without-mingle",
     ]
-    if args.concurrency:
+    if args.concurrency and args.concurrency != AUTO:
         argv.append(f"--concurrency={args.concurrency}")
     return argv
 
 
 def run_worker(args: argparse.Namespace, settings: Settings) -> int:
+    if args.concurrency == AUTO:
+        # Celery builds the app (workers/celery.py) from the environment: the flag
+        # reaches it there, as it reaches Celery's pool through its own --concurrency.
+        os.environ[env_name("concurrency")] = AUTO
     # One line per task received and per task done is noise at hundreds of tasks a second;
     # `datagen status` is the progress view. Failures and retries still log.
     for name in ("celery.app.trace", "celery.worker.strategy"):

@@ -13,6 +13,7 @@ import redis
 from celery import Celery
 
 from common.celery_app import make_celery
+from common.concurrency import FALLBACK
 from common.errors import ConfigError
 from common.ledger import ChargeResult, Ledger
 from common.publish import Publisher
@@ -23,6 +24,7 @@ from common.sglang_client import Completion, SGLangClient
 from common.store import DatasetRow, Store
 from common.tokenizer_files import code_class, load_tokenizer
 from workers import steps
+from workers.gate import Gate
 from workers.grouping import LINGER_S, MAX_GROUP, GroupCall
 from workers.inflight import LiveRids
 from workers.metrics import WorkerMetrics
@@ -50,6 +52,7 @@ class WorkerContext:
     settlements: GroupCall[steps.SettleItem, steps.Settled] = field(init=False)
     next_turns: NextTurns = field(init=False)
     live_rids: LiveRids = field(default_factory=LiveRids)
+    gate: Gate | None = None  # concurrency auto's (workers/gate.py); None: fixed
     metrics: WorkerMetrics = field(default_factory=WorkerMetrics)
     _datasets: dict[str, tuple[float, DatasetRow]] = field(default_factory=dict)
     _decoders: dict[str, Decoder | None] = field(default_factory=dict)
@@ -59,14 +62,19 @@ class WorkerContext:
     def __post_init__(self) -> None:
         self.results = ResultWriter(self.store)
         self.next_turns = NextTurns(self.store, self.settings.trust_remote_code, self.client)
-        self.metrics.threads.set(self.settings.concurrency)
-        most = max(1, min(MAX_GROUP, self.settings.concurrency))
+        self.metrics.threads.set(self.settings.threads)
+        most = max(1, min(MAX_GROUP, self.settings.threads))
         # With every slot busy, a worker's tasks are split between the two steps (and
         # their requests): a leader waiting for more than half of them would wait for
         # tasks that reach its step only after the other step's group is served, its whole
         # linger, while its own group's tasks hold their slots idle: at full rate that
         # wait, not CPU, would bound the worker.
-        enough = max(1, min(most, self.settings.concurrency // 2))
+        # Under auto most threads wait at the gate, outside both steps: half of what a
+        # server runs at once (the fallback's 64 as its measure) is the mark.
+        busy = self.settings.threads
+        if self.settings.auto_concurrency:
+            busy = min(busy, FALLBACK)
+        enough = max(1, min(most, busy // 2))
         self.admissions = GroupCall(lambda items: steps.admit_group(self.store, self.ledger, items),
                                     max_group=most, linger_s=LINGER_S, enough=enough)
         self.settlements = GroupCall(
@@ -87,7 +95,8 @@ class WorkerContext:
         store = Store(settings.database_url, settings.db_connections)
         # The app's metrics, when it has them: its server may be up before the context.
         metrics = getattr(app, "datagen_metrics", None) or WorkerMetrics()
-        return cls(settings, store, ledger, client, app, metrics=metrics)
+        return cls(settings, store, ledger, client, app, metrics=metrics,
+                   gate=auto_gate(settings))
 
     def dataset(self, name: str) -> DatasetRow:
         """The dataset's terms, re-read every few seconds so budget changes arrive.
@@ -167,6 +176,19 @@ def load_router(settings: Settings) -> LoadRouter | None:
         return None
     # A reading three intervals old (a poller that missed two) no longer steers requests.
     return LoadRouter(settings.sglang_urls, stale_after_s=max(3 * settings.load_poll_s, 2.0))
+
+
+def auto_gate(settings: Settings) -> Gate | None:
+    """The gate of concurrency auto; None for a fixed concurrency (its threads are it)."""
+    if not settings.auto_concurrency:
+        return None
+    if not settings.load_poll_s:
+        log.warning("concurrency auto reads the servers' loads, and DATAGEN_LOAD_POLL_S=0 "
+                    "turns that off: at most %d requests at once per server", FALLBACK)
+    # The first readings come within an interval of the consumer's start. A task gives
+    # its place in the queue back well before its message could be delivered again.
+    return Gate(settings.sglang_urls, FALLBACK, ready_s=3 * settings.load_poll_s + 2.0,
+                max_wait_s=settings.visibility_timeout_s / 4)
 
 
 def get_context(app: Celery) -> WorkerContext:

@@ -50,6 +50,7 @@ class Retry(StrEnum):
     UNREACHABLE = "unreachable"  # SGLang refused the connection
     UNAVAILABLE = "unavailable"  # Redis or the database did not answer
     BUDGET_WAIT = "budget_wait"  # admission said wait: the budget is nearly spent
+    GATE_WAIT = "gate_wait"  # concurrency auto: no place at a server for a long while
 
 
 class WorkerMetrics:

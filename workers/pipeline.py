@@ -27,6 +27,7 @@ from common.rows import NewPrompt, ResultRow
 from common.sglang_client import Completion
 from common.store import DatasetRow, PromptRow
 from workers.context import WorkerContext
+from workers.gate import GateTimeout
 from workers.inflight import give_back
 from workers.steps import DEFAULT_EXPECTED_TOKENS
 from workers.turns import publish_next, publish_stored_next
@@ -42,6 +43,7 @@ class Outcome(StrEnum):
     DUPLICATE = "duplicate"
     CLOSED = "dropped-closed"
     WAIT = "wait-budget"
+    GATED = "wait-gate"
     DISCARDED = "discarded"
     FINISHED = "already-finished"
     MISSING = "missing-prompt"
@@ -60,8 +62,24 @@ def sampling_params(ds: DatasetRow, prompt: PromptRow) -> dict[str, Any]:
 
 def run_sample(ctx: WorkerContext, dataset: str, sample_id: str) -> Outcome:
     """Run one sample: its prompt read and admission, request, charge and store."""
+    if ctx.gate is None:
+        return _run_at(ctx, dataset, sample_id, ctx.client.pick_server(), _nothing)
+    # Under concurrency auto, a place at a server first: a task that waits for one holds
+    # no admission against the budget. The place is given back once the answer is in.
+    try:
+        with ctx.gate.slot(ctx.client.pick_server) as slot:
+            return _run_at(ctx, dataset, sample_id, slot.server, slot.release)
+    except GateTimeout:
+        return Outcome.GATED
+
+
+def _nothing() -> None:
+    return None
+
+
+def _run_at(ctx: WorkerContext, dataset: str, sample_id: str, server: str,
+            answered: Callable[[], None]) -> Outcome:
     # The server is chosen before the rid, which names it for the aborts of a close.
-    server = ctx.client.pick_server()
     rid = new_rid(dataset, server)
     # Claimed before ADMIT (which comes with the prompt read), so the reaper never frees a
     # reservation this process holds.
@@ -73,7 +91,7 @@ def run_sample(ctx: WorkerContext, dataset: str, sample_id: str) -> Outcome:
             return Outcome.MISSING
         if prompt.state != "queued" or admission is None:
             return _settle_finished(ctx, dataset, prompt)
-        return _generate(ctx, prompt, server, rid, admission)
+        return _generate(ctx, prompt, server, rid, admission, answered)
     except BaseException:
         # Whatever failed after ADMIT may have run (an answer lost to a reset connection):
         # free the reservation, or the dataset's admission would count it for good.
@@ -84,7 +102,7 @@ def run_sample(ctx: WorkerContext, dataset: str, sample_id: str) -> Outcome:
 
 
 def _generate(ctx: WorkerContext, prompt: PromptRow, server: str, rid: str,
-              admission: Admission) -> Outcome:
+              admission: Admission, answered: Callable[[], None]) -> Outcome:
     if admission is Admission.UNKNOWN:
         # The ledger lost its terms (Redis restarted): rebuild them from SQL, then ask again.
         reconcile_dataset(ctx.store, ctx.ledger, prompt.dataset)
@@ -98,6 +116,7 @@ def _generate(ctx: WorkerContext, prompt: PromptRow, server: str, rid: str,
     with ctx.metrics.request(prompt.dataset):
         completion = ctx.client.generate(server, rid, prompt.input_ids,
                                          sampling_params(ds, prompt))
+    answered()
     if completion.finish_type == "abort":
         return _aborted(ctx, prompt.dataset, prompt.sample_id, rid, completion)
     return keep(ctx, ds, prompt.sample_id, completion)

@@ -84,6 +84,10 @@ def _attempt(task: Task, ctx: WorkerContext, settings: Settings, dataset: str,
     if outcome is Outcome.WAIT:
         ctx.metrics.retried(dataset, Retry.BUDGET_WAIT)
         send_retry(task, ADMISSION_WAIT_S * random.uniform(1, 1.5))
+    if outcome is Outcome.GATED:
+        # Sent again as a new message: the one it held had waited long, unacked.
+        ctx.metrics.retried(dataset, Retry.GATE_WAIT)
+        send_retry(task, ADMISSION_WAIT_S * random.uniform(1, 1.5))
     return outcome.value
 
 

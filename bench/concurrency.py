@@ -1,0 +1,262 @@
+"""Concurrency auto against a sweep of fixed concurrencies, on one GPU-physics server.
+
+One ``datagen sim --physics gpu --profile reference`` (159K KV tokens, ~930 tok/s at ~40
+running with 4K-token outputs), time-scaled, per workload shape: chat (~800-token
+prompts, ~600-token outputs), code (~1,500, ~4,000), agentic (~6,000, ~8,000). Each leg
+is one ``datagen worker`` over a dataset whose budget (``abort`` policy) closes in steady
+state: ``--concurrency auto``, then fixed 16, 32, 64, 128, 256, 512. Figures per leg:
+
+* output tok/s on the simulator's clock (decoded tokens over simulated seconds, idle
+  included) from 20% to 70% of the budget (near the close the budget's admission holds
+  requests back, whatever the concurrency);
+* requests in flight at the server (running + waiting): the median over that window,
+  and when the budget closed, against its running capacity (the most it kept running:
+  the highest median running count of any leg).
+
+Targets: auto >= 0.98 of the best fixed leg's tok/s; auto's in flight (the window's
+median, and at the close) <= 1.25x the running capacity. The budgets are a few
+generations of requests, not 10M tokens, so that a leg takes a minute or two.
+
+    python -m bench.concurrency [--quick] [--shapes chat,code,agentic]
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import statistics
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+import requests
+
+from bench.harness import (
+    WORKDIR,
+    Processes,
+    bench_settings,
+    clean_workdir,
+    fresh_db,
+    fresh_redis,
+    sim_requests,
+    sim_reset,
+    start_sim,
+    start_worker,
+    wait_until,
+)
+from bench.report import emit, table, verdict
+from bench.synth import enqueue, write_dataset
+from common.budget import Budget
+from common.ledger import Ledger
+
+SWEEP = (16, 32, 64, 128, 256, 512)
+QUICK_SWEEP = (16, 64, 256)
+TARGET_RATIO = 0.98
+TARGET_INFLIGHT = 1.25
+# The throughput window, as shares of the budget: after the start, before the close.
+WINDOW = (0.2, 0.7)
+LEG_TIMEOUT_S = 1200.0
+Concurrency = int | Literal["auto"]
+
+
+@dataclass(frozen=True)
+class Shape:
+    prompt_tokens: int  # median
+    output_tokens: int  # mean
+    time_scale: float
+    generations: int  # budget: this many turnovers of the server's running batch
+
+    @property
+    def running_estimate(self) -> int:
+        """What the reference server keeps running: its cap, or what its KV pool holds."""
+        return min(48, 159_000 // (self.prompt_tokens + self.output_tokens // 2))
+
+    def budget_tokens(self, quick: bool) -> int:
+        gens = max(2, self.generations // 2) if quick else self.generations
+        return gens * self.running_estimate * self.output_tokens
+
+
+SHAPES = {
+    "chat": Shape(800, 600, time_scale=5.0, generations=6),
+    "code": Shape(1500, 4000, time_scale=20.0, generations=4),
+    "agentic": Shape(6000, 8000, time_scale=30.0, generations=4),
+}
+
+
+def parse(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m bench.concurrency", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--quick", action="store_true", help=f"sweep {QUICK_SWEEP}, half budgets")
+    p.add_argument("--shapes", default=",".join(SHAPES))
+    p.add_argument("--poll", type=float, default=0.5, help="DATAGEN_LOAD_POLL_S of auto")
+    p.add_argument("--legs", help="comma-separated legs instead of auto and the sweep, e.g. "
+                   "auto or 16,32 (the summary needs auto and a fixed leg)")
+    args = p.parse_args(argv)
+    args.shapes = [s for s in args.shapes.split(",") if s]
+    unknown = set(args.shapes) - set(SHAPES)
+    if unknown:
+        p.error(f"unknown shapes: {', '.join(sorted(unknown))}")
+    sweep = QUICK_SWEEP if args.quick else SWEEP
+    args.legs = ([x if x == "auto" else int(x) for x in args.legs.split(",")] if args.legs
+                 else ["auto", *sweep])
+    return args
+
+
+class Watch:
+    """The server's clock, tokens and batch, and the dataset's state, every 0.25 s."""
+
+    def __init__(self, url: str, ledger: Ledger, dataset: str) -> None:
+        self.url, self.ledger, self.dataset = url, ledger, dataset
+        self.samples: list[dict[str, Any]] = []
+        self.closed_at: float | None = None
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while self.closed_at is None:
+            stats = requests.get(f"{self.url}/sim/stats", timeout=10).json()
+            self.samples.append(stats)
+            state = self.ledger.state(self.dataset)
+            if state.state == "closed":
+                self.closed_at = state.closed_at or time.time()
+                return
+            time.sleep(0.25)
+
+    def wait(self, timeout_s: float) -> None:
+        self._thread.join(timeout_s)
+        if self.closed_at is None:
+            raise TimeoutError(f"the budget of {self.dataset} did not close")
+
+
+def settle_server(url: str) -> None:
+    """Nothing left running or cached from the last leg."""
+    requests.post(f"{url}/abort_request", json={"abort_all": True}, timeout=10)
+    wait_until(lambda: _idle(url), timeout_s=120, interval_s=0.2)
+    requests.post(f"{url}/flush_cache", timeout=10)
+    sim_reset(url)
+
+
+def _idle(url: str) -> bool:
+    stats = requests.get(f"{url}/sim/stats", timeout=10).json()
+    return stats["running"] == 0 and stats["waiting"] == 0
+
+
+def leg(procs: Processes, url: str, folder: Path, name: str, shape: Shape,
+        concurrency: Concurrency, args: argparse.Namespace) -> dict[str, Any]:
+    settle_server(url)
+    redis_client = fresh_redis()
+    settings = bench_settings(fresh_db("sqlite", "concurrency"), url, concurrency)
+    settings = settings.replace(load_poll_s=args.poll, max_concurrency=256)
+    budget = shape.budget_tokens(args.quick)
+    enqueue(settings, folder, budget=Budget(budget, policy="abort"),
+            max_new_tokens=4 * shape.output_tokens, max_seq_len=65_536)
+    worker = start_worker(procs, settings, concurrency, tag=f"worker-{name}-{concurrency}")
+    try:
+        watch = Watch(url, Ledger(redis_client), name)
+        watch.wait(LEG_TIMEOUT_S)
+    finally:
+        procs.stop(worker)
+    assert watch.closed_at is not None
+    return figures(watch, sim_requests(url), budget) | {"concurrency": concurrency}
+
+
+def figures(watch: Watch, log: list[dict[str, Any]], budget: int) -> dict[str, Any]:
+    samples = [s for s in watch.samples if "sim_clock_s" in s]
+    base = samples[0]["generated_tokens"]
+    # The window ends before the budget's admission holds requests back (near the close,
+    # it admits only what the budget left can take), which would cut every leg's batch.
+    window = [s for s in samples
+              if WINDOW[0] * budget <= s["generated_tokens"] - base <= WINDOW[1] * budget]
+    start, end = window[0], window[-1]
+    sim_s = end["sim_clock_s"] - start["sim_clock_s"]
+    closed = watch.closed_at or 0.0
+    at_close = sum(1 for e in log if e["arrived_ts"] <= closed
+                   and (e.get("finished_ts") is None or e["finished_ts"] > closed))
+    return {"tok_per_s": (end["generated_tokens"] - start["generated_tokens"]) / sim_s,
+            "window_sim_s": sim_s,
+            "mean_running": statistics.fmean(s["running"] for s in window),
+            "median_running": statistics.median(s["running"] for s in window),
+            "median_inflight": statistics.median(s["running"] + s["waiting"] for s in window),
+            "inflight_at_close": at_close}
+
+
+def prompts(shape_name: str, shape: Shape, n: int) -> Path:
+    folder = WORKDIR / f"concurrency-{shape_name}-{n}"
+    if not (folder / ".complete").exists():
+        write_dataset(folder, shape_name, n, shape.prompt_tokens)
+        (folder / ".complete").touch()
+    return folder
+
+
+def run_shape(procs: Processes, name: str, shape: Shape,
+              args: argparse.Namespace) -> list[dict[str, Any]]:
+    n = math.ceil(1.5 * shape.budget_tokens(args.quick) / shape.output_tokens) + max(SWEEP)
+    folder = prompts(name, shape, n)
+    url, sim = start_sim(procs, slots=48, mean_output=shape.output_tokens, name=f"sim-{name}",
+                         extra=("--physics", "gpu", "--profile", "reference", "--time-scale",
+                                str(shape.time_scale), "--context-length", "65536"))
+    try:
+        legs: list[dict[str, Any]] = []
+        for concurrency in args.legs:
+            legs.append(leg(procs, url, folder, name, shape, concurrency, args))
+            print(f"  {name} {concurrency}: {legs[-1]}", flush=True)
+        return legs
+    finally:
+        procs.stop(sim)
+
+
+def summary(name: str, legs: list[dict[str, Any]]) -> dict[str, Any]:
+    auto = next(g for g in legs if g["concurrency"] == "auto")
+    fixed = [g for g in legs if g["concurrency"] != "auto"]
+    best = max(fixed, key=lambda r: r["tok_per_s"])
+    capacity = max(r["median_running"] for r in legs)
+    return {"shape": name, "auto_tok_per_s": auto["tok_per_s"],
+            "best_fixed": best["concurrency"], "best_fixed_tok_per_s": best["tok_per_s"],
+            "ratio": auto["tok_per_s"] / best["tok_per_s"], "running_capacity": capacity,
+            "auto_inflight": auto["median_inflight"],
+            "auto_inflight_at_close": auto["inflight_at_close"],
+            "inflight_vs_capacity": max(auto["median_inflight"], auto["inflight_at_close"])
+            / capacity, "legs": legs}
+
+
+def report(results: list[dict[str, Any]], args: argparse.Namespace) -> None:
+    for r in results:
+        table(f"concurrency, {r['shape']}: output tok/s on the simulated clock, in flight at "
+              "the budget's close", ["concurrency", "tok/s", "running: mean / median",
+                                     "in flight: median", "at close"],
+              [(str(g["concurrency"]), f"{g['tok_per_s']:.0f}",
+                f"{g['mean_running']:.1f} / {g['median_running']:g}",
+                f"{g['median_inflight']:g}", str(g["inflight_at_close"])) for g in r["legs"]])
+    table("concurrency auto against the best fixed (one run; the machine is shared)",
+          ["shape", "auto / best fixed", "target", "in flight at close / capacity", "target"],
+          [_verdicts(r) for r in results])
+    emit("concurrency", args, {"shapes": results,
+                               "worst_ratio": min(r["ratio"] for r in results),
+                               "worst_inflight_vs_capacity":
+                                   max(r["inflight_vs_capacity"] for r in results)})
+
+
+def _verdicts(r: dict[str, Any]) -> tuple[str, ...]:
+    share = r["inflight_vs_capacity"]
+    return (r["shape"], f"{r['ratio']:.3f} (best: {r['best_fixed']})",
+            f">= {TARGET_RATIO} {verdict(r['ratio'], TARGET_RATIO)}",
+            f"{share:.2f} ({r['auto_inflight']:g}, at close {r['auto_inflight_at_close']} / "
+            f"{r['running_capacity']:g})",
+            f"<= {TARGET_INFLIGHT} {verdict(share, TARGET_INFLIGHT, higher_is_better=False)}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse(argv)
+    clean_workdir()
+    with Processes() as procs:
+        legs = {name: run_shape(procs, name, SHAPES[name], args) for name in args.shapes}
+    if "auto" not in args.legs or len(args.legs) < 2:
+        return 0  # the legs' figures are printed as they end
+    report([summary(name, runs) for name, runs in legs.items()], args)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
