@@ -21,6 +21,7 @@ from common.store import DatasetRow, Store
 from common.tokenizer_files import code_class
 from ops.export_rows import ExportRow
 from ops.specforge_check import row_error
+from producer.generations import line_id
 from producer.template import _REASONING_MARKERS  # the one opener -> closer table
 
 FORMATS = ("specforge", "speculators", "parquet")
@@ -238,6 +239,7 @@ class SpeculatorsBuilder:
             return LeftOut("empty_output", f"finish {row.finish_reason} with no tokens")
         record: dict[str, Any] = {
             "id": row.sample_id,
+            "primary_id": self.primary_id(row),
             "input_ids": row.input_ids + row.output_ids,
             "loss_mask": [0] * len(row.input_ids) + [1] * len(row.output_ids),
         }
@@ -246,14 +248,21 @@ class SpeculatorsBuilder:
             record["text"] = prompt + row.output_text
         record["metadata"] = {
             "finish_reason": row.finish_reason,
-            "prompt_tokens": row.prompt_tokens,
-            "completion_tokens": row.completion_tokens,
+            "usage": {"prompt_tokens": row.prompt_tokens,
+                      "completion_tokens": row.completion_tokens,
+                      "total_tokens": row.prompt_tokens + row.completion_tokens},
             "model": row.model,
             **sent(row, self.sampling, "sampling_params"),
             "dataset": row.dataset,
             "sample_id": row.sample_id,
         }
         return record
+
+    def primary_id(self, row: ExportRow) -> str:
+        """The line a row comes from, as speculators keys its conversations: the same for
+        every turn of a conversation and every generation of a line."""
+        unit = row.conversation or row.sample_id
+        return line_id(unit) if self.ds.generations > 1 else unit
 
 
 class ParquetBuilder:

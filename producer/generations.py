@@ -20,8 +20,17 @@ from producer.reader import MAX_ID_CHARS, PromptRecord, ReadReport
 MAX_GENERATIONS = 1000
 
 
+_MARK = "_gen"
+
+
 def generation_id(sample_id: str, k: int) -> str:
-    return f"{sample_id}_gen{k}"
+    return f"{sample_id}{_MARK}{k}"
+
+
+def line_id(generation: str) -> str:
+    """The line's id of one of its generations' ids (a dataset of N > 1 generations)."""
+    base, mark, k = generation.rpartition(_MARK)
+    return base if mark and k.isdigit() else generation
 
 
 def check_generations(value: object, where: str = "--generations") -> int:

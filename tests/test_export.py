@@ -181,9 +181,13 @@ def test_speculators_ids_masks_and_metadata(produced: Produced, tmp_path: Path) 
         assert row["input_ids"] == r["input_ids"] + r["output_ids"]
         assert row["loss_mask"] == [0] * len(r["input_ids"]) + [1] * len(r["output_ids"])
         assert row["text"].startswith("<|im_start|>") and row["text"].endswith(r["output_text"])
+        assert row["primary_id"] == row["id"]  # a line of one turn, one generation
         assert row["metadata"] == {
-            "finish_reason": r["finish_reason"], "prompt_tokens": r["prompt_tokens"],
-            "completion_tokens": r["completion_tokens"], "model": r["model"],
+            "finish_reason": r["finish_reason"],
+            "usage": {"prompt_tokens": r["prompt_tokens"],
+                      "completion_tokens": r["completion_tokens"],
+                      "total_tokens": r["prompt_tokens"] + r["completion_tokens"]},
+            "model": r["model"],
             "sampling_params": {"temperature": 1.0, "max_new_tokens": 512},
             "dataset": "alpha", "sample_id": row["id"],
         }

@@ -23,7 +23,7 @@ hf = pytest.importorskip(
                        "extra: pip install -e '.[dev,test-hf]')")
 
 SPECFORGE = {"id", "status", "conversations", "sampling"}
-SPECULATORS = {"id", "input_ids", "loss_mask", "text", "metadata"}
+SPECULATORS = {"id", "primary_id", "input_ids", "loss_mask", "text", "metadata"}
 
 
 @pytest.fixture(scope="module")

@@ -200,6 +200,8 @@ def test_three_generations_of_each_prompt(
             assert all(r["sampling"] == rows[r["id"]][1] for r in exported)
         else:
             assert {r["id"] for r in exported} == ids
+            # speculators' key for a line: the same for each of its generations.
+            assert all(r["primary_id"] == r["id"].rpartition("_gen")[0] for r in exported)
     card = (tmp_path / "speculators" / "README.md").read_text()
     assert "| drawn per sample | temperature 0.6:1,0.8:1,1.0:1 |" in card
     assert "| generations per prompt | 3 |" in card
