@@ -10,11 +10,13 @@ No other module spells a key string; tests import these functions too.
     datagen:datasets                      set     producer (SADD name)            none
     datagen:ds:{name}:ledger              hash    Lua only (ledger.py)            none
         used           tokens charged so far on the dataset's basis
-        samples        samples charged so far
+        samples        samples charged so far (at 0 tokens too: not kept, basis kept)
         sumsq          sum of squared sample costs (admission's spread estimate)
         budget         budget in tokens
-        basis          "output" | "total" (for people; the scripts read prompt_weight)
+        basis          "output" | "total" | "kept" (for people; the scripts read
+                       prompt_weight and kept_only)
         prompt_weight  1 if prompt tokens count, else 0 (Budget.prompt_weight)
+        kept_only      1 if only kept samples are charged, else 0 (Budget.kept_only)
         policy         "drain" | "abort" | "exact"
         state          "open" | "closed"
         reserved       expected tokens of requests in flight (admission)

@@ -70,6 +70,7 @@ class ResultRow:
     reasoning_tokens: int = 0
     finish_detail: dict[str, Any] | None = field(default=None)
     e2e_latency_s: float | None = None
+    kept: bool = True  # an answer the exports keep (common.kept)
 
     @property
     def key(self) -> tuple[str, str]:

@@ -50,6 +50,7 @@ class ExportRow:
     tools: list[dict[str, Any]] | None = None  # the prompt's function schemas, if any
     conversation: str | None = None  # a turn of this conversation (``--turns all``)
     turn: int | None = None
+    kept: bool | None = None  # an answer the exports keep (common.kept); None: stored before
 
 
 RESULT_COLUMNS: tuple[str, ...] = tuple(c.name for c in results.columns)

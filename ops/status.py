@@ -18,6 +18,10 @@ retried without end, so this, with ``last_error`` and ``last_error_count`` (how 
 them hold that newest error), is what tells a stuck run from an idle one. A closed
 dataset has none: its prompts left queued are dropped when a worker meets them.
 
+``not_kept`` counts the results stored that the exports do not keep as answers (cut
+while reasoning, or cut to the budget: common/kept.py); on basis ``kept`` these are the
+samples stored but not charged, and a note under the table says how many.
+
 ``conversations`` (datasets enqueued with ``--turns all``; null otherwise) counts the
 dataset's conversations by state, read from their turns (common/conversation_store.py):
 ``complete``, ``in_progress``, ``partial`` (some turns stored, none left to run: the
@@ -96,6 +100,9 @@ class DatasetStatus:
     # Its publishing order (common/order.py): "shuffle" with its seed, or "file" (seed null).
     order: str = "shuffle"
     seed: int | None = 0
+    # Results stored that the exports do not keep (common.kept): on basis "kept" they are
+    # the samples stored uncharged.
+    not_kept: int = 0
 
 
 @dataclass(frozen=True)
@@ -182,6 +189,7 @@ def _row(ds: DatasetRow, counts: dict[str, int], led: LedgerState, sums: ResultS
         conversations=None if chats is None else asdict(chats),
         order=ds.order.kind,
         seed=ds.order.seed,
+        not_kept=sums.not_kept,
     )
 
 

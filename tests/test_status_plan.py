@@ -42,7 +42,7 @@ STATUS_KEYS = {
     "budget_tokens", "basis", "policy", "inflight", "closed_at", "overshoot_tokens",
     "tok_per_s", "eta_s", "retrying", "last_error", "last_error_count", "stop_error",
     "conversations",
-    "order", "seed",
+    "order", "seed", "not_kept",
 }
 TOTALS_KEYS = {
     "datasets", "open", "prompts", "done", "failed", "skipped", "queued", "inflight",

@@ -115,7 +115,7 @@ def keep(ctx: WorkerContext, ds: DatasetRow, sample_id: str, completion: Complet
         ctx.metrics.stored(row)
     if charge.status is Charge.DUPLICATE and inserted and row is not None:
         # Charged before a crash that lost the store: price the result now kept.
-        cost = ds.budget.cost(row.prompt_tokens, row.completion_tokens)
+        cost = ds.budget.cost(row.prompt_tokens, row.completion_tokens, row.kept)
         ctx.ledger.recharge(ds.name, sample_id, cost, ctx.store.store_id)
     if inserted and then is not None and then.state == "queued":
         publish_next(ctx.publisher, ctx.ledger, ds, then.sample_id)
