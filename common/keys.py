@@ -73,9 +73,9 @@ SERVER_LOADS_LOCK = f"{PREFIX}:server_loads:poll"
 QUEUE_PREFIX = f"{PREFIX}.q."
 
 # kombu's Redis transport keeps one list per priority step: the bare queue name for
-# step 0 and ``name + sep + step`` for the others. ``celery_config`` keeps one step, so
-# every message goes to the bare name; a purge still deletes all four, for lists an
-# older version or another client filled.
+# step 0 and ``name + sep + step`` for the others. ``celery_config`` keeps two steps (a
+# conversation's next turns in the bare name, new prompts in step 3's list); a purge
+# still deletes all four, for lists an older version or another client filled.
 KOMBU_PRIORITY_SEP = "\x06\x16"
 KOMBU_PRIORITY_STEPS = (0, 3, 6, 9)
 # kombu's Redis transport keeps delivered, unacked messages under these names (its
