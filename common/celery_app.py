@@ -15,8 +15,7 @@ from celery import Celery
 from celery.app.amqp import AMQP
 from kombu import Connection
 
-from common.keys import KOMBU_UNACKED, KOMBU_UNACKED_INDEX
-from common.messages import AHEAD_PRIORITY, PROMPT_PRIORITY
+from common.keys import AHEAD_PRIORITY, KOMBU_UNACKED, KOMBU_UNACKED_INDEX, PROMPT_PRIORITY
 from common.settings import Settings
 
 

@@ -25,6 +25,10 @@ No other module spells a key string; tests import these functions too.
         used_at_close  ``used`` when the close happened
     datagen:ds:{name}:charged             hash    Lua only: sample_id -> tokens    none
     datagen:ds:{name}:inflight            hash    Lua only: rid -> expected tokens none
+    datagen:ds:{name}:started             set     workers: rids of a drain         none
+                                                  dataset's requests the server has
+                                                  started (first token streamed);
+                                                  removed when the request ends
     datagen:workers                       zset    workers: name -> last heartbeat none
     datagen:worker:{name}:tags            set     that worker: delivery tags of   none
                                                   the messages it holds unacked
@@ -78,6 +82,9 @@ QUEUE_PREFIX = f"{PREFIX}.q."
 # still deletes all four, for lists an older version or another client filled.
 KOMBU_PRIORITY_SEP = "\x06\x16"
 KOMBU_PRIORITY_STEPS = (0, 3, 6, 9)
+# The two steps the app uses: a conversation's next turns (the bare name), new prompts.
+AHEAD_PRIORITY = 0
+PROMPT_PRIORITY = 3
 # kombu's Redis transport keeps delivered, unacked messages under these names (its
 # defaults); ``celery_config`` names them in its transport options and sets none that
 # renames them (``global_keyprefix``), which a test checks against a channel the app opens.
@@ -94,6 +101,12 @@ class DatasetKeys:
     charged: str
     inflight: str
     queue: str
+    started: str
+
+    @property
+    def prompts(self) -> str:
+        """The list new prompts wait in (their priority step's)."""
+        return _priority_list(self.queue, PROMPT_PRIORITY)
 
     @property
     def queue_lists(self) -> tuple[str, ...]:
@@ -114,6 +127,7 @@ def dataset_keys(name: str) -> DatasetKeys:
         charged=f"{base}:charged",
         inflight=f"{base}:inflight",
         queue=queue_name(name),
+        started=f"{base}:started",
     )
 
 

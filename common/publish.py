@@ -21,8 +21,8 @@ from celery import Celery
 from kombu.exceptions import BatchPublishError
 
 from common.errors import ServiceUnavailable
-from common.keys import queue_name
-from common.messages import AHEAD_PRIORITY, PROMPT_PRIORITY, send_generate
+from common.keys import AHEAD_PRIORITY, PROMPT_PRIORITY, queue_name
+from common.messages import send_generate
 
 # Messages per pipeline: one chunk of the producer, a few hundred kB of commands.
 BATCH_SIZE = 1000

@@ -14,8 +14,13 @@ from kombu import Queue
 from kombu.transport import redis as kombu_redis
 
 from common.celery_app import make_celery
-from common.keys import KOMBU_PRIORITY_SEP, KOMBU_UNACKED, KOMBU_UNACKED_INDEX
-from common.messages import AHEAD_PRIORITY, PROMPT_PRIORITY
+from common.keys import (
+    AHEAD_PRIORITY,
+    KOMBU_PRIORITY_SEP,
+    KOMBU_UNACKED,
+    KOMBU_UNACKED_INDEX,
+    PROMPT_PRIORITY,
+)
 from tests.conftest import make_settings
 from tests.faultkit import PrivateTlsRedis
 

@@ -17,15 +17,14 @@ from celery.worker.request import Request
 from common.audit import queued_in_redis
 from common.celery_app import make_celery
 from common.errors import ServiceUnavailable
-from common.keys import KOMBU_PRIORITY_SEP, queue_name
-from common.messages import GENERATE_TASK, PROMPT_PRIORITY, STAMP, sample_of
+from common.keys import PROMPT_PRIORITY, dataset_keys, queue_name
+from common.messages import GENERATE_TASK, STAMP, sample_of
 from common.publish import BATCH_SIZE, Publisher
 from tests.conftest import make_settings
 from workers.app import create_app
 
 DATASET, STAMP_VALUE = "pub", "pub@0123456789ab"
-# The list new prompts wait in: kombu's list of their priority step (common/messages.py).
-PROMPTS = f"{queue_name(DATASET)}{KOMBU_PRIORITY_SEP}{PROMPT_PRIORITY}"
+PROMPTS = dataset_keys(DATASET).prompts  # the list new prompts wait in
 # Quotes, backslashes, non-ASCII and JSON-looking text must survive both encodings.
 ODD_IDS = ["plain", "it's", 'say "hi"', "back\\slash", "ünï©ødé ✓", '{"x": 1}', "\u2028"]
 
