@@ -252,6 +252,25 @@ class Ledger:
     def inflight_rids(self, name: str) -> list[str]:
         return texts(self.redis.hkeys(dataset_keys(name).inflight))
 
+    def mark_started(self, name: str, rid: str) -> None:
+        """The server has started this request (its first token came): a drain close lets
+        it run (common/closing.py)."""
+        self.redis.sadd(dataset_keys(name).started, rid)
+
+    def forget_started(self, name: str, rid: str) -> None:
+        self.redis.srem(dataset_keys(name).started, rid)
+
+    def queued_rids(self, name: str) -> list[str]:
+        """Requests in flight the server has not started: admitted, sent or about to be,
+        no token yet (read at a drain close; a request may start just after)."""
+        ds = dataset_keys(name)
+        pipe = self.redis.pipeline(transaction=False)
+        pipe.hkeys(ds.inflight)
+        pipe.smembers(ds.started)
+        inflight, started = pipe.execute()
+        running = set(texts(started))
+        return [rid for rid in texts(inflight) if rid not in running]
+
     def state(self, name: str) -> LedgerState:
         return self.states([name])[0]
 

@@ -21,7 +21,7 @@ from __future__ import annotations
 import itertools
 import logging
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -37,6 +37,7 @@ from common.errors import (
 )
 from common.rids import server_tag, tag_of
 from common.routing import LoadRouter
+from common.sglang_stream import read_stream, stream_params
 
 log = logging.getLogger(__name__)
 NEEDED_VERSION = "SGLang >= 0.5.5"
@@ -108,6 +109,16 @@ def parse_completion(body: Any, rid: str, server: str) -> Completion:
     )
 
 
+def _raise_for_status(resp: requests.Response, server: str) -> None:
+    """A non-200 answer as the error it is: retryable or not, with SGLang's message."""
+    if resp.status_code in RETRYABLE_STATUS:
+        raise TransientError(f"{server}: HTTP {resp.status_code}: {_error_message(resp)}",
+                             server=server, status=resp.status_code)
+    if resp.status_code != 200:
+        raise PermanentError(f"{server}: HTTP {resp.status_code}: {_error_message(resp)}",
+                             server=server, status=resp.status_code)
+
+
 def _unreachable(server: str, exc: requests.ConnectionError) -> ServerUnreachable | None:
     """The error for a call that never reached the server (no connection was made), or
     None when the connection was made and then failed: the request may have run."""
@@ -161,10 +172,10 @@ class SGLangClient:
                                        proxies=self._proxies.get(server, {}), **kwargs)
 
     def _post(self, server: str, path: str, payload: dict[str, Any],
-              read_timeout_s: float) -> requests.Response:
+              read_timeout_s: float, stream: bool = False) -> requests.Response:
         """One POST on this thread's session, its failures sorted into the error tree."""
         try:
-            return self._request("POST", server, path, json=payload,
+            return self._request("POST", server, path, json=payload, stream=stream,
                                  timeout=(self.timeout[0], read_timeout_s))
         except requests.ConnectTimeout as exc:
             raise ServerUnreachable(f"{server}: connect timed out", server=server) from exc
@@ -189,31 +200,26 @@ class SGLangClient:
             return next(self._next)
 
     def generate(
-        self, server: str, rid: str, input_ids: list[int], sampling_params: dict[str, Any]
+        self, server: str, rid: str, input_ids: list[int], sampling_params: dict[str, Any],
+        on_start: Callable[[], None] | None = None,
     ) -> Completion:
+        """The completion of one request. With ``on_start``, the request is streamed so as
+        to call it once the server has started it (its first token: common/sglang_stream.py)."""
+        stream = on_start is not None
         payload = {
             "rid": rid,
             "input_ids": input_ids,
-            "sampling_params": sampling_params,
-            "stream": False,
+            "sampling_params": stream_params(sampling_params) if stream else sampling_params,
+            "stream": stream,
         }
-        resp = self._post(server, "/generate", payload, self.timeout[1])
-        if resp.status_code in RETRYABLE_STATUS:
-            raise TransientError(
-                f"{server}: HTTP {resp.status_code}: {_error_message(resp)}",
-                server=server,
-                status=resp.status_code,
-            )
-        if resp.status_code != 200:
-            raise PermanentError(
-                f"{server}: HTTP {resp.status_code}: {_error_message(resp)}",
-                server=server,
-                status=resp.status_code,
-            )
-        try:
-            body = resp.json()
-        except ValueError as exc:
-            raise TransientError(f"{server}: answer is not JSON", server=server) from exc
+        with self._post(server, "/generate", payload, self.timeout[1], stream=stream) as resp:
+            _raise_for_status(resp, server)
+            if on_start is not None:
+                return parse_completion(read_stream(resp, server, on_start), rid, server)
+            try:
+                body = resp.json()
+            except ValueError as exc:
+                raise TransientError(f"{server}: answer is not JSON", server=server) from exc
         return parse_completion(body, rid, server)
 
     def abort(self, rid: str) -> None:
