@@ -51,11 +51,13 @@ from sim.reqlog import input_sha1
 TURNS = 10
 
 
-def _enqueue(settings: Settings, path: Path, turns: str) -> float:
-    """Enqueue one file; returns lines per second."""
+def enqueue_turns(settings: Settings, path: Path, turns: str,
+                  max_new_tokens: int = 256) -> float:
+    """Enqueue one file with ``--turns``; returns lines per second."""
     import redis
 
-    plans = plans_from_paths([str(path)], Budget(), dict(DEFAULT_SAMPLING), 256, turns)
+    plans = plans_from_paths([str(path)], Budget(), dict(DEFAULT_SAMPLING), max_new_tokens,
+                             turns)
     store, app = Store(settings.database_url), make_celery(settings)
     ledger = Ledger(redis.Redis.from_url(settings.redis_url))
     started = time.perf_counter()
@@ -74,7 +76,7 @@ def producer_rates(kind: str, lines: int) -> dict[str, float]:
         settings = bench_settings(fresh_db(kind, "turns"), "http://127.0.0.1:1")
         path = write_dataset(folder, f"ten_{turns}", lines, 400, TURNS)
         templater()  # loaded before the clock starts, as a producer run loads it once
-        rates[turns] = _enqueue(settings, path, turns)
+        rates[turns] = enqueue_turns(settings, path, turns)
     return rates
 
 
@@ -88,7 +90,7 @@ def _worker_leg(kind: str, name: str, conversations: int, turns: int, mode: str,
         settings = bench_settings(fresh_db(kind, "turns"), sim_url, concurrency)
         folder = WORKDIR / "tmp" / name
         path = write_dataset(folder, name, conversations, 200, turns)
-        _enqueue(settings, path, mode)
+        enqueue_turns(settings, path, mode)
         store = Store(settings.database_url)
         worker = start_worker(procs, settings, concurrency, tag=name)
         # The worker's start-up (imports, tokenizer) is left out: CPU counts from its

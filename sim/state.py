@@ -67,6 +67,8 @@ class SimState:
             "prompt_tokens": self.prompt_tokens,
             "by_finish": dict(counts),
             "gen_throughput": self.engine.gen_throughput(),
+            # GPU mode: simulated seconds of forward passes (null in the fast mode).
+            "simulated_s": self.engine.simulated_s(),
         }
 
 
