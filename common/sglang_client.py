@@ -37,7 +37,7 @@ from common.errors import (
 )
 from common.rids import server_tag, tag_of
 from common.routing import LoadRouter
-from common.sglang_stream import read_stream, stream_params
+from common.sglang_stream import is_event_stream, read_stream, stream_params
 
 log = logging.getLogger(__name__)
 NEEDED_VERSION = "SGLang >= 0.5.5"
@@ -214,7 +214,7 @@ class SGLangClient:
         }
         with self._post(server, "/generate", payload, self.timeout[1], stream=stream) as resp:
             _raise_for_status(resp, server)
-            if on_start is not None:
+            if on_start is not None and is_event_stream(resp):
                 return parse_completion(read_stream(resp, server, on_start), rid, server)
             try:
                 body = resp.json()

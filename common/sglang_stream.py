@@ -33,6 +33,12 @@ def stream_params(sampling_params: dict[str, Any]) -> dict[str, Any]:
     return {**sampling_params, "stream_interval": cap + 2}
 
 
+def is_event_stream(resp: requests.Response) -> bool:
+    """Whether the answer is a stream; a server that answers a stream request with one
+    JSON body (whatever its version) is read as a plain answer."""
+    return resp.headers.get("Content-Type", "").startswith("text/event-stream")
+
+
 def _events(resp: requests.Response, server: str) -> Iterator[dict[str, Any]]:
     try:
         for line in resp.iter_lines():
@@ -58,7 +64,7 @@ def _raise_error(event: dict[str, Any], server: str) -> None:
         code, message = None, error
     status = int(code) if isinstance(code, int) else 500
     cls = TransientError if status >= 500 or status in (408, 429) else PermanentError
-    raise cls(f"{server}: HTTP {status} (streamed): {message}", server=server, status=status)
+    raise cls(f"{server}: HTTP {status}: {message}", server=server, status=status)
 
 
 def _raise_status_abort(finish: Any, server: str) -> None:

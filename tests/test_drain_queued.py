@@ -67,6 +67,9 @@ def test_a_drain_close_aborts_the_queued_requests_and_drains_the_running(
         after_close("dq", store=store, ledger=ledger, app=None,
                     client=SGLangClient(settings.sglang_urls))
         wait_for(lambda: ledger.state("dq").inflight == 0, 60, "the running ones drained")
+        # Each charged before it is stored: wait for the rows too.
+        wait_for(lambda: store.prompt_counts("dq").get("done", 0) == ledger.state("dq").samples,
+                 30, "the drained ones stored")
     log = requests.get(f"{gpu_sim}/sim/requests", timeout=5).json()
     queued_aborts = [r for r in log if r["finish_type"] == "abort"
                      and r["completion_tokens"] == 0]
