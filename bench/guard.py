@@ -62,9 +62,10 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
 def sample_message(r: redis.Redis, settings: Any) -> bytes:
     """One real message as the producer publishes it (kombu JSON envelope, stamped)."""
     Publisher(make_celery(settings)).publish("probe", "probe@0", ["h0123456789abcdef"])
-    raw = r.lindex(queue_name("probe"), 0)
+    lists = dataset_keys("probe").queue_lists
+    raw = next((m for m in (r.lindex(k, 0) for k in lists) if m is not None), None)
     assert raw is not None, "the probe message did not reach Redis"
-    r.delete(queue_name("probe"))
+    r.delete(*lists)
     return raw if isinstance(raw, bytes) else str(raw).encode()
 
 

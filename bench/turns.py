@@ -60,12 +60,14 @@ class WorkerLeg:
     gaps: list[float]  # seconds from turn i stored to turn i+1 at the server
 
 
-def _enqueue(settings: Settings, path: Path, turns: str, parser: str | None = None) -> float:
-    """Enqueue one file; returns lines per second."""
+def enqueue_turns(settings: Settings, path: Path, turns: str, max_new_tokens: int = 256,
+                  parser: str | None = None) -> float:
+    """Enqueue one file with ``--turns`` (and ``--tool-call-parser``); returns lines per
+    second."""
     import redis
 
-    plans = plans_from_paths([str(path)], Budget(), dict(DEFAULT_SAMPLING), 256, turns,
-                             tool_call_parser=parser)
+    plans = plans_from_paths([str(path)], Budget(), dict(DEFAULT_SAMPLING), max_new_tokens,
+                             turns, tool_call_parser=parser)
     store, app = Store(settings.database_url), make_celery(settings)
     ledger = Ledger(redis.Redis.from_url(settings.redis_url))
     chat = (templater() if not settings.trust_remote_code else
@@ -86,7 +88,7 @@ def producer_rates(kind: str, lines: int) -> dict[str, float]:
         settings = bench_settings(fresh_db(kind, "turns"), "http://127.0.0.1:1")
         path = write_dataset(folder, f"ten_{turns}", lines, 400, TURNS)
         templater()  # loaded before the clock starts, as a producer run loads it once
-        rates[turns] = _enqueue(settings, path, turns)
+        rates[turns] = enqueue_turns(settings, path, turns)
     return rates
 
 
@@ -104,7 +106,7 @@ def worker_leg(kind: str, name: str, path: Path, mode: str, concurrency: int,
         settings = bench_settings(fresh_db(kind, "turns"), sim_url, concurrency)
         if code_tokenizer is not None:
             settings = settings.replace(tokenizer=str(code_tokenizer), trust_remote_code=True)
-        _enqueue(settings, path, mode, parser)
+        enqueue_turns(settings, path, mode, parser=parser)
         store = Store(settings.database_url)
         worker = start_worker(procs, settings, concurrency, tag=name)
         # The worker's start-up (imports, tokenizer) is left out: CPU counts from its

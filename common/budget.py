@@ -11,9 +11,9 @@ from typing import Any, Literal, TypeVar
 
 from common.errors import ConfigError
 
-Basis = Literal["output", "total"]
+Basis = Literal["output", "total", "kept"]
 Policy = Literal["drain", "abort", "exact"]
-BASES: tuple[Basis, ...] = ("output", "total")
+BASES: tuple[Basis, ...] = ("output", "total", "kept")
 POLICIES: tuple[Policy, ...] = ("drain", "abort", "exact")
 DEFAULT_BUDGET_TOKENS = 10_000_000
 # Token counts, or SQL expressions of them: the same arithmetic serves both.
@@ -25,12 +25,22 @@ def counts_prompt(basis: str) -> bool:
     return basis == "total"
 
 
-def cost_on(basis: str, prompt_tokens: Tokens, completion_tokens: Tokens) -> Tokens:
-    """A sample's cost on a budget basis: its completion, plus its prompt on "total".
+def charges_kept_only(basis: str) -> bool:
+    """Whether only kept samples (common.kept) are charged: only on "kept"."""
+    return basis == "kept"
+
+
+def cost_on(basis: str, prompt_tokens: Tokens, completion_tokens: Tokens,
+            kept_completion_tokens: Tokens) -> Tokens:
+    """A sample's cost on a budget basis: its completion, plus its prompt on "total"; on
+    "kept" its completion if it is kept, else nothing (``kept_completion_tokens``: the
+    completion of a kept sample, 0 for one not kept; summed, the kept ones' completions).
 
     The one definition of the basis: the store's SQL sums, status and plan use it, and the
-    ledger's scripts get it as ``Budget.prompt_weight`` (checked against this by
-    tests/test_ledger.py)."""
+    ledger's scripts get it as ``Budget.prompt_weight`` and ``Budget.kept_only`` (checked
+    against this by tests/test_ledger.py)."""
+    if charges_kept_only(basis):
+        return kept_completion_tokens
     if counts_prompt(basis):
         return completion_tokens + prompt_tokens
     return completion_tokens
@@ -40,7 +50,9 @@ def cost_on(basis: str, prompt_tokens: Tokens, completion_tokens: Tokens) -> Tok
 class Budget:
     """The terms of one dataset's budget.
 
-    basis "output" counts completion tokens; "total" counts prompt + completion.
+    basis "output" counts completion tokens; "total" counts prompt + completion; "kept"
+    counts the completion tokens of kept samples only (common.kept), the others are stored
+    uncharged.
     policy, for requests still in flight when the dataset closes:
       drain  they finish and are kept and counted (overshoot bounded by admission),
       abort  they are aborted on the server and not kept,
@@ -67,8 +79,16 @@ class Budget:
         ``prompt_weight * prompt + completion``, so it needs no notion of a basis."""
         return int(counts_prompt(self.basis))
 
-    def cost(self, prompt_tokens: Tokens, completion_tokens: Tokens) -> Tokens:
-        return cost_on(self.basis, prompt_tokens, completion_tokens)
+    @property
+    def kept_only(self) -> int:
+        """1 when only kept samples are charged, else 0: the ledger's Lua charges a sample
+        it is told is not kept nothing when this is 1."""
+        return int(charges_kept_only(self.basis))
+
+    def cost(self, prompt_tokens: int, completion_tokens: int, kept: bool) -> int:
+        """One sample's cost; ``kept`` as common.kept decides it."""
+        return cost_on(self.basis, prompt_tokens, completion_tokens,
+                       completion_tokens if kept else 0)
 
     def overshoot(self, used_tokens: int) -> int:
         return max(0, used_tokens - self.tokens)

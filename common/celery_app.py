@@ -15,7 +15,7 @@ from celery import Celery
 from celery.app.amqp import AMQP
 from kombu import Connection
 
-from common.keys import KOMBU_UNACKED, KOMBU_UNACKED_INDEX
+from common.keys import AHEAD_PRIORITY, KOMBU_UNACKED, KOMBU_UNACKED_INDEX, PROMPT_PRIORITY
 from common.settings import Settings
 
 
@@ -38,11 +38,10 @@ def celery_config(settings: Settings) -> dict[str, Any]:
             "unacked_restore_interval": 10,
             "unacked_restore_throttle": 1,
             "queue_order_strategy": "round_robin",
-            # Every task is sent with priority 0, so kombu's three other lists per queue
-            # (steps 3, 6, 9) would stay empty, and a worker's BRPOP would name each of
-            # them in vain: with one step, a message of any priority goes to the queue's
-            # own list and a BRPOP names one list a queue. Purges still clear all four.
-            "priority_steps": [0],
+            # Two steps: a conversation's next turns (priority 0, the queue's own list)
+            # ahead of new prompts (3), common/messages.py. Steps 6 and 9 would stay empty
+            # and a worker's BRPOP would name them in vain. Purges still clear all four.
+            "priority_steps": [AHEAD_PRIORITY, PROMPT_PRIORITY],
             # Named, though they are kombu's defaults: the reaper and the audit read these
             # two keys (workers/liveness.py, common/audit.py).
             "unacked_key": KOMBU_UNACKED,

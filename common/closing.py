@@ -2,9 +2,11 @@
 
 The ledger script has already marked the dataset closed and purged its queue in one
 atomic step. What follows here is idempotent: under the abort and exact policies, abort
-the dataset's requests still on the servers; then record the close in SQL and revoke what
-workers have reserved (one broadcast on the ``dataset`` stamp, not one per task id).
-Tasks that still reach a worker later are dropped by the ledger's admission check.
+the dataset's requests still on the servers, under drain those the servers have not
+started (no first token yet, workers/pipeline.py streams to learn it); then record the
+close in SQL and revoke what workers have reserved (one broadcast on the ``dataset``
+stamp, not one per task id). Tasks that still reach a worker later are dropped by the
+ledger's admission check.
 """
 
 from __future__ import annotations
@@ -31,14 +33,17 @@ def after_close(
     client: SGLangClient | None,
 ) -> None:
     state = ledger.state(name)
-    if client is not None and state.policy in ("abort", "exact"):
+    if client is not None:
         # The servers' requests first: each millisecond they run on is GPU time spent on
         # tokens the budget no longer takes, and a database that is away must not keep
-        # them running.
-        rids = ledger.inflight_rids(name)
+        # them running. Under drain only those still queued on the server, which have
+        # produced nothing: the running ones finish and are kept.
+        drain = state.policy == "drain"
+        rids = ledger.queued_rids(name) if drain else ledger.inflight_rids(name)
         calls = client.abort_many(rids)
-        log.info("dataset %s closed: aborted %d requests in flight (%d calls)",
-                 name, len(rids), calls)
+        log.info("dataset %s closed: aborted %d %s (%d calls)", name, len(rids),
+                 "requests still queued on the servers" if drain else "requests in flight",
+                 calls)
     _record(name, state, store, app)
 
 

@@ -24,7 +24,7 @@ import sqlalchemy as sa
 
 from common.conversation import TOOLS_DIFFER
 from common.schema import conversations, prompt_inputs, prompts, results
-from common.store import Store, by_keys, key_params
+from common.store import Store, by_keys, kept_completion_tokens, key_params
 
 
 @dataclass(frozen=True)
@@ -148,6 +148,8 @@ class ConversationTokens:
     complete_completion_tokens: int = 0
     open_prompt_tokens: int = 0
     open_completion_tokens: int = 0
+    complete_kept_tokens: int = 0  # completions of the kept turns (common.kept)
+    open_kept_tokens: int = 0
     conversations: int = 0
     turns: int = 0  # assistant turns of all the conversations
 
@@ -162,6 +164,7 @@ class SingleTurns:
     queued: int = 0
     prompt_tokens: int = 0  # of their results
     completion_tokens: int = 0
+    kept_completion_tokens: int = 0  # of their kept results (common.kept)
 
 
 def conversation_tokens(store: Store, dataset: str) -> ConversationTokens:
@@ -171,6 +174,7 @@ def conversation_tokens(store: Store, dataset: str) -> ConversationTokens:
         sa.func.count(results.c.id).label("stored"),
         sa.func.coalesce(sa.func.sum(results.c.prompt_tokens), 0).label("prompt"),
         sa.func.coalesce(sa.func.sum(results.c.completion_tokens), 0).label("completion"),
+        sa.func.coalesce(sa.func.sum(kept_completion_tokens()), 0).label("kept"),
     ).select_from(_turns_stored()).where(conversations.c.dataset == dataset).group_by(
         conversations.c.conversation, conversations.c.turns).subquery()
     complete = per.c.stored >= per.c.turns
@@ -182,7 +186,8 @@ def conversation_tokens(store: Store, dataset: str) -> ConversationTokens:
     q = sa.select(
         total(sa.literal(1), complete), total(per.c.prompt, complete),
         total(per.c.completion, complete), total(per.c.prompt, sa.not_(complete)),
-        total(per.c.completion, sa.not_(complete)), sa.func.count(),
+        total(per.c.completion, sa.not_(complete)), total(per.c.kept, complete),
+        total(per.c.kept, sa.not_(complete)), sa.func.count(),
         sa.func.coalesce(sa.func.sum(per.c.turns), 0),
     ).select_from(per)
     with store.engine.connect() as conn:
@@ -198,6 +203,7 @@ def single_turns(store: Store, dataset: str) -> SingleTurns:
         sa.func.count(), count("done"), count("queued"),
         sa.func.coalesce(sa.func.sum(results.c.prompt_tokens), 0),
         sa.func.coalesce(sa.func.sum(results.c.completion_tokens), 0),
+        sa.func.coalesce(sa.func.sum(kept_completion_tokens()), 0),
     ).select_from(
         prompts.join(prompt_inputs, sa.and_(prompt_inputs.c.dataset == prompts.c.dataset,
                                             prompt_inputs.c.sample_id == prompts.c.sample_id))

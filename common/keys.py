@@ -10,11 +10,13 @@ No other module spells a key string; tests import these functions too.
     datagen:datasets                      set     producer (SADD name)            none
     datagen:ds:{name}:ledger              hash    Lua only (ledger.py)            none
         used           tokens charged so far on the dataset's basis
-        samples        samples charged so far
+        samples        samples charged so far (at 0 tokens too: not kept, basis kept)
         sumsq          sum of squared sample costs (admission's spread estimate)
         budget         budget in tokens
-        basis          "output" | "total" (for people; the scripts read prompt_weight)
+        basis          "output" | "total" | "kept" (for people; the scripts read
+                       prompt_weight and kept_only)
         prompt_weight  1 if prompt tokens count, else 0 (Budget.prompt_weight)
+        kept_only      1 if only kept samples are charged, else 0 (Budget.kept_only)
         policy         "drain" | "abort" | "exact"
         state          "open" | "closed"
         reserved       expected tokens of requests in flight (admission)
@@ -23,6 +25,10 @@ No other module spells a key string; tests import these functions too.
         used_at_close  ``used`` when the close happened
     datagen:ds:{name}:charged             hash    Lua only: sample_id -> tokens    none
     datagen:ds:{name}:inflight            hash    Lua only: rid -> expected tokens none
+    datagen:ds:{name}:started             set     workers: rids of a drain         none
+                                                  dataset's requests the server has
+                                                  started (first token streamed);
+                                                  removed when the request ends
     datagen:workers                       zset    workers: name -> last heartbeat none
     datagen:worker:{name}:tags            set     that worker: delivery tags of   none
                                                   the messages it holds unacked
@@ -78,11 +84,14 @@ AUTO_LIMITS = f"{PREFIX}:auto_limits"
 QUEUE_PREFIX = f"{PREFIX}.q."
 
 # kombu's Redis transport keeps one list per priority step: the bare queue name for
-# step 0 and ``name + sep + step`` for the others. ``celery_config`` keeps one step, so
-# every message goes to the bare name; a purge still deletes all four, for lists an
-# older version or another client filled.
+# step 0 and ``name + sep + step`` for the others. ``celery_config`` keeps two steps (a
+# conversation's next turns in the bare name, new prompts in step 3's list); a purge
+# still deletes all four, for lists an older version or another client filled.
 KOMBU_PRIORITY_SEP = "\x06\x16"
 KOMBU_PRIORITY_STEPS = (0, 3, 6, 9)
+# The two steps the app uses: a conversation's next turns (the bare name), new prompts.
+AHEAD_PRIORITY = 0
+PROMPT_PRIORITY = 3
 # kombu's Redis transport keeps delivered, unacked messages under these names (its
 # defaults); ``celery_config`` names them in its transport options and sets none that
 # renames them (``global_keyprefix``), which a test checks against a channel the app opens.
@@ -99,6 +108,12 @@ class DatasetKeys:
     charged: str
     inflight: str
     queue: str
+    started: str
+
+    @property
+    def prompts(self) -> str:
+        """The list new prompts wait in (their priority step's)."""
+        return _priority_list(self.queue, PROMPT_PRIORITY)
 
     @property
     def queue_lists(self) -> tuple[str, ...]:
@@ -119,6 +134,7 @@ def dataset_keys(name: str) -> DatasetKeys:
         charged=f"{base}:charged",
         inflight=f"{base}:inflight",
         queue=queue_name(name),
+        started=f"{base}:started",
     )
 
 

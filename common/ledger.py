@@ -78,6 +78,7 @@ class ChargeArgs:
     rid: str
     prompt_tokens: int
     completion_tokens: int
+    kept: bool = True  # the sample as generated is kept (common.kept)
 
 
 def _charge_result(reply: Any) -> ChargeResult:
@@ -102,7 +103,7 @@ class Ledger:
     def configure(self, name: str, budget: Budget) -> CloseResult:
         self.redis.sadd(DATASETS, name)
         args: list[str | int | float] = [budget.tokens, budget.basis, budget.policy,
-                                         budget.prompt_weight, time.time()]
+                                         budget.prompt_weight, budget.kept_only, time.time()]
         closed_now, purged, _used = self._configure(keys=dataset_keys(name).script_keys, args=args)
         return CloseResult(bool(closed_now), int(purged))
 
@@ -130,10 +131,11 @@ class Ledger:
 
     def charge(
         self, name: str, sample_id: str, rid: str, prompt_tokens: int, completion_tokens: int,
-        store_id: str = "",
+        store_id: str = "", kept: bool = True,
     ) -> ChargeResult:
         return self.charge_many(
-            [ChargeArgs(name, sample_id, rid, prompt_tokens, completion_tokens)], store_id)[0]
+            [ChargeArgs(name, sample_id, rid, prompt_tokens, completion_tokens, kept)],
+            store_id)[0]
 
     def charge_many(self, charges: Sequence[ChargeArgs], store_id: str = "") -> list[ChargeResult]:
         """``charge`` for each, in order, in one command: the batch decides exactly what
@@ -144,7 +146,8 @@ class Ledger:
             return []
         now = time.time()
         replies = self._paired_batch(self._charge_many, [
-            (c.name, (c.sample_id, c.rid, c.prompt_tokens, c.completion_tokens, now))
+            (c.name, (c.sample_id, c.rid, c.prompt_tokens, c.completion_tokens, int(c.kept),
+                      now))
             for c in charges], store_id)
         return [_charge_result(reply) for reply in replies]
 
@@ -248,6 +251,25 @@ class Ledger:
 
     def inflight_rids(self, name: str) -> list[str]:
         return texts(self.redis.hkeys(dataset_keys(name).inflight))
+
+    def mark_started(self, name: str, rid: str) -> None:
+        """The server has started this request (its first token came): a drain close lets
+        it run (common/closing.py)."""
+        self.redis.sadd(dataset_keys(name).started, rid)
+
+    def forget_started(self, name: str, rid: str) -> None:
+        self.redis.srem(dataset_keys(name).started, rid)
+
+    def queued_rids(self, name: str) -> list[str]:
+        """Requests in flight the server has not started: admitted, sent or about to be,
+        no token yet (read at a drain close; a request may start just after)."""
+        ds = dataset_keys(name)
+        pipe = self.redis.pipeline(transaction=False)
+        pipe.hkeys(ds.inflight)
+        pipe.smembers(ds.started)
+        inflight, started = pipe.execute()
+        running = set(texts(started))
+        return [rid for rid in texts(inflight) if rid not in running]
 
     def state(self, name: str) -> LedgerState:
         return self.states([name])[0]

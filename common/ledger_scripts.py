@@ -32,15 +32,20 @@ end
 """
 
 # -- KEYS: ledger, charged, inflight, q0, q3, q6, q9
-# -- ARGV: sample_id, rid, prompt_tokens, completion_tokens, now
+# -- ARGV: sample_id, rid, prompt_tokens, completion_tokens, kept, now
 # Returns {status, kept_completion_tokens, used, crossed, purged}
 #   status 1 = charged, 2 = duplicate (already charged: nothing changed),
 #          0 = refused (closed under abort/exact, or no room left under exact).
+# kept: 1 when the sample as generated is one the exports keep (common.kept). With the
+# term kept_only (basis "kept") a sample not kept is charged 0 (recorded, so charged once)
+# and never cut; under exact a kept sample that no longer fits is cut, which leaves it
+# not kept: it is charged 0 and closes the dataset, so used never passes the budget.
 CHARGE = (
     _CLOSE_FN
     + """
 local sid, rid = ARGV[1], ARGV[2]
-local prompt, completion, now = tonumber(ARGV[3]), tonumber(ARGV[4]), ARGV[5]
+local prompt, completion, now = tonumber(ARGV[3]), tonumber(ARGV[4]), ARGV[6]
+local kept = ARGV[5] == '1'
 local expected = tonumber(redis.call('HGET', KEYS[3], rid) or '0')
 if redis.call('HDEL', KEYS[3], rid) == 1 then
   redis.call('HINCRBY', KEYS[1], 'reserved', -expected)
@@ -57,18 +62,21 @@ if closed and policy ~= 'drain' then
 end
 local fixed = prompt * num('prompt_weight')
 local budget = num('budget')
-if policy == 'exact' and budget > 0 then
+local kept_only = num('kept_only') == 1
+local cut = false
+if policy == 'exact' and budget > 0 and (kept or not kept_only) then
   local room = budget - used - fixed
   if room <= 0 then return {0, 0, used, 0, 0} end
-  if completion > room then completion = room end
+  if completion > room then completion, cut = room, true end
 end
 local cost = fixed + completion
+if kept_only and (cut or not kept) then cost = 0 end
 redis.call('HSET', KEYS[2], sid, cost)
 used = redis.call('HINCRBY', KEYS[1], 'used', cost)
 redis.call('HINCRBY', KEYS[1], 'samples', 1)
 redis.call('HINCRBY', KEYS[1], 'sumsq', cost * cost)
 local crossed, purged = 0, 0
-if (not closed) and budget > 0 and used >= budget then
+if (not closed) and budget > 0 and (used >= budget or cut) then
   crossed = 1
   purged = close(now, 'budget')
 end
@@ -136,22 +144,23 @@ return expected
 """
 
 # -- KEYS: ledger, charged, inflight, q0, q3, q6, q9
-# -- ARGV: budget, basis, policy, prompt_weight, now
+# -- ARGV: budget, basis, policy, prompt_weight, kept_only, now
 # Sets the dataset's terms; a dataset already at or over its new budget closes at once.
-# prompt_weight (1 or 0: whether prompt tokens count) comes from common.budget, so the
-# scripts do the budget's arithmetic without knowing what a basis means; 'basis' is kept
-# for people reading the hash.
+# prompt_weight (1 or 0: whether prompt tokens count) and kept_only (1 or 0: whether only
+# kept samples are charged) come from common.budget, so the scripts do the budget's
+# arithmetic without knowing what a basis means; 'basis' is kept for people reading the
+# hash.
 # Returns {closed_now, purged, used}.
 CONFIGURE = (
     _CLOSE_FN
     + """
 redis.call('HSET', KEYS[1], 'budget', ARGV[1], 'basis', ARGV[2], 'policy', ARGV[3],
-           'prompt_weight', ARGV[4])
+           'prompt_weight', ARGV[4], 'kept_only', ARGV[5])
 redis.call('HSETNX', KEYS[1], 'state', 'open')
 redis.call('HSETNX', KEYS[1], 'used', 0)
 local used, budget = num('used'), num('budget')
 if redis.call('HGET', KEYS[1], 'state') ~= 'closed' and budget > 0 and used >= budget then
-  return {1, close(ARGV[5], 'budget'), used}
+  return {1, close(ARGV[6], 'budget'), used}
 end
 return {0, 0, used}
 """

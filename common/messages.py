@@ -16,17 +16,24 @@ from typing import Any
 from celery import Celery
 from kombu import Producer
 
+from common.keys import PROMPT_PRIORITY
+
 GENERATE_TASK = "datagen.generate"
 STAMP = "dataset"
+# kombu's Redis transport pops a queue's lower priority numbers first (each priority step
+# is a list of its own, BRPOP naming step 0's lists first). A conversation's next turn
+# goes ahead of new prompts, so its prefix (the turn before, prompt and answer) is still
+# in the server's prefix cache when it is sent; each list stays first in, first out
+# (the two steps are named in common/keys.py).
 
 
 def send_generate(app: Celery, producer: Producer, queue: str, dataset: str, sample_id: str,
-                  stamp: str) -> None:
+                  stamp: str, priority: int = PROMPT_PRIORITY) -> None:
     """Send one sample's message on ``producer`` (declared by the caller: ``declare=[]``)."""
     app.send_task(
         GENERATE_TASK, kwargs={"dataset": dataset, "sample_id": sample_id},
         queue=queue, producer=producer, declare=[], add_to_parent=False,
-        ignore_result=True, stamped_headers=[STAMP], **{STAMP: stamp},
+        ignore_result=True, priority=priority, stamped_headers=[STAMP], **{STAMP: stamp},
     )
 
 

@@ -21,7 +21,7 @@ from celery import Celery
 from kombu.exceptions import BatchPublishError
 
 from common.errors import ServiceUnavailable
-from common.keys import queue_name
+from common.keys import AHEAD_PRIORITY, PROMPT_PRIORITY, queue_name
 from common.messages import send_generate
 
 # Messages per pipeline: one chunk of the producer, a few hundred kB of commands.
@@ -34,8 +34,10 @@ class Publisher:
     def __init__(self, app: Celery) -> None:
         self.app = app
 
-    def publish(self, dataset: str, stamp: str, sample_ids: Sequence[str]) -> None:
-        """Publish a chunk; returns only once every message of it is in Redis.
+    def publish(self, dataset: str, stamp: str, sample_ids: Sequence[str],
+                ahead: bool = False) -> None:
+        """Publish a chunk; returns only once every message of it is in Redis. ``ahead``:
+        before the dataset's new prompts (a conversation's next turns).
 
         Raises ServiceUnavailable when Redis fails mid-chunk: then some of the chunk's
         messages may be in Redis and some not, so nothing is sent again blindly; a re-run
@@ -50,8 +52,9 @@ class Publisher:
                 # Declared once a chunk: by default send_task binds a copy of the queue
                 # to the channel for every message, a fifth of its cost.
                 producer.maybe_declare(self.app.amqp.queues[queue])
+                priority = AHEAD_PRIORITY if ahead else PROMPT_PRIORITY
                 for sid in sample_ids:
-                    send_generate(self.app, producer, queue, dataset, sid, stamp)
+                    send_generate(self.app, producer, queue, dataset, sid, stamp, priority)
         except BatchPublishError as exc:
             raise ServiceUnavailable(
                 f"Redis failed while publishing {dataset}'s messages ({exc.__cause__!r}); "

@@ -73,6 +73,7 @@ class ResultRow:
     finish_detail: dict[str, Any] | None = field(default=None)
     e2e_latency_s: float | None = None
     sampling: dict[str, Any] | None = None  # the sampling_params its request was sent with
+    kept: bool = True  # an answer the exports keep (common.kept)
 
     @property
     def key(self) -> tuple[str, str]:

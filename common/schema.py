@@ -142,6 +142,7 @@ ADDED_COLUMNS = (
     ("datasets", "generations"), ("prompt_inputs", "template_kwargs"),
     ("results", "sampling"),
     ("datasets", "tool_call_parser"),
+    ("results", "kept"),
 )
 # Indexes on added columns, created with them (create_all makes them for a new table only).
 ADDED_INDEXES = ("ix_prompt_inputs_conversation",)
@@ -168,6 +169,9 @@ results = sa.Table(
     sa.Column("server", sa.String(500), nullable=False),
     sa.Column("model", sa.String(500), nullable=False),
     sa.Column("created_at", sa.DateTime(timezone=True), nullable=False, default=utcnow),
+    # Whether the exports keep it as an answer (common.kept); the "kept" budget basis
+    # charges only these. NULL on rows stored before the column existed.
+    sa.Column("kept", sa.Boolean),
     sa.UniqueConstraint("dataset", "sample_id", name="uq_results_dataset_sample"),
     sa.Index("ix_results_dataset_created", "dataset", "created_at"),
 )

@@ -22,7 +22,7 @@ import dataclasses
 import itertools
 import logging
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -38,6 +38,7 @@ from common.errors import (
 )
 from common.rids import server_tag, tag_of
 from common.routing import LoadRouter
+from common.sglang_stream import is_event_stream, read_stream, stream_params
 
 log = logging.getLogger(__name__)
 NEEDED_VERSION = "SGLang >= 0.5.5"
@@ -112,6 +113,16 @@ def parse_completion(body: Any, rid: str, server: str) -> Completion:
     )
 
 
+def _raise_for_status(resp: requests.Response, server: str) -> None:
+    """A non-200 answer as the error it is: retryable or not, with SGLang's message."""
+    if resp.status_code in RETRYABLE_STATUS:
+        raise TransientError(f"{server}: HTTP {resp.status_code}: {_error_message(resp)}",
+                             server=server, status=resp.status_code)
+    if resp.status_code != 200:
+        raise PermanentError(f"{server}: HTTP {resp.status_code}: {_error_message(resp)}",
+                             server=server, status=resp.status_code)
+
+
 def _unreachable(server: str, exc: requests.ConnectionError) -> ServerUnreachable | None:
     """The error for a call that never reached the server (no connection was made), or
     None when the connection was made and then failed: the request may have run."""
@@ -165,10 +176,10 @@ class SGLangClient:
                                        proxies=self._proxies.get(server, {}), **kwargs)
 
     def _post(self, server: str, path: str, payload: dict[str, Any],
-              read_timeout_s: float) -> requests.Response:
+              read_timeout_s: float, stream: bool = False) -> requests.Response:
         """One POST on this thread's session, its failures sorted into the error tree."""
         try:
-            return self._request("POST", server, path, json=payload,
+            return self._request("POST", server, path, json=payload, stream=stream,
                                  timeout=(self.timeout[0], read_timeout_s))
         except requests.ConnectTimeout as exc:
             raise ServerUnreachable(f"{server}: connect timed out", server=server) from exc
@@ -193,17 +204,25 @@ class SGLangClient:
             return next(self._next)
 
     def generate(
-        self, server: str, rid: str, input_ids: list[int], sampling_params: dict[str, Any]
+        self, server: str, rid: str, input_ids: list[int], sampling_params: dict[str, Any],
+        on_start: Callable[[], None] | None = None,
     ) -> Completion:
+        """The completion of one request. With ``on_start``, the request is streamed so as
+        to call it once the server has started it (its first token: common/sglang_stream.py)."""
+        stream = on_start is not None
         payload = {
             "rid": rid,
             "input_ids": input_ids,
-            "sampling_params": sampling_params,
-            "stream": False,
+            "sampling_params": stream_params(sampling_params) if stream else sampling_params,
+            "stream": stream,
         }
-        resp = self._post(server, "/generate", payload, self.timeout[1])
-        return dataclasses.replace(parse_completion(self._json(server, resp), rid, server),
-                                   sampling_params=sampling_params)
+        with self._post(server, "/generate", payload, self.timeout[1], stream=stream) as resp:
+            if on_start is not None and resp.status_code == 200 and is_event_stream(resp):
+                completion = parse_completion(read_stream(resp, server, on_start), rid, server)
+            else:
+                completion = parse_completion(self._json(server, resp), rid, server)
+        # The sampling the model was sampled with (a stream's interval is transport).
+        return dataclasses.replace(completion, sampling_params=sampling_params)
 
     def parse_function_call(self, server: str, text: str, tools: list[dict[str, Any]],
                             parser: str) -> tuple[str, list[dict[str, Any]]]:
@@ -221,18 +240,7 @@ class SGLangClient:
 
     def _json(self, server: str, resp: requests.Response) -> Any:
         """The JSON of a 200 answer; any other sorted into the error tree."""
-        if resp.status_code in RETRYABLE_STATUS:
-            raise TransientError(
-                f"{server}: HTTP {resp.status_code}: {_error_message(resp)}",
-                server=server,
-                status=resp.status_code,
-            )
-        if resp.status_code != 200:
-            raise PermanentError(
-                f"{server}: HTTP {resp.status_code}: {_error_message(resp)}",
-                server=server,
-                status=resp.status_code,
-            )
+        _raise_for_status(resp, server)
         try:
             return resp.json()
         except ValueError as exc:

@@ -12,7 +12,7 @@ from typing import Any
 
 import sqlalchemy as sa
 
-from common.budget import Budget
+from common.budget import Budget, cost_on
 from common.db import insert_ignore, make_engine
 from common.draws import Mixtures
 from common.errors import UnknownDatasetError
@@ -92,10 +92,16 @@ def _dataset_row(r: sa.Row[Any]) -> DatasetRow:
     )
 
 
+def kept_completion_tokens() -> sa.ColumnElement[int]:
+    """A result's completion tokens if it is kept (common.kept), else 0, as SQL."""
+    return sa.case((results.c.kept.is_(sa.true()), results.c.completion_tokens), else_=0)
+
+
 def _cost(budget: Budget) -> sa.ColumnElement[int]:
     """A result's tokens on the dataset's budget basis, as SQL."""
-    cost: sa.ColumnElement[int] = budget.cost(results.c.prompt_tokens,
-                                              results.c.completion_tokens)
+    cost: sa.ColumnElement[int] = cost_on(budget.basis, results.c.prompt_tokens,
+                                          results.c.completion_tokens,
+                                          kept_completion_tokens())
     return cost
 
 

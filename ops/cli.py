@@ -7,6 +7,7 @@ import logging
 import sys
 from collections.abc import Sequence
 
+from common.budget import BASES
 from common.errors import (
     ConfigError,
     DatagenError,
@@ -44,9 +45,10 @@ def _add_enqueue(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--budget-tokens", default=None, help="tokens per dataset, counted on "
                    "--budget-basis, e.g. 10000000, 10M or 500k (default: "
                    "DATAGEN_DEFAULT_BUDGET_TOKENS, 10M)")
-    p.add_argument("--budget-basis", choices=("output", "total"), default="output",
-                   help="output: completion tokens count; total: prompt + completion "
-                   "(default: %(default)s)")
+    p.add_argument("--budget-basis", choices=BASES, default="output",
+                   help="output: completion tokens count; total: prompt + completion; "
+                   "kept: completion tokens of the samples the exports keep (not those "
+                   "cut while reasoning or cut to the budget) (default: %(default)s)")
     p.add_argument("--policy", choices=("drain", "abort", "exact"), default="drain",
                    help="requests in flight when a dataset closes: drain keeps them, abort "
                    "drops them, exact cuts to the budget (default: %(default)s)")

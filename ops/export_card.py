@@ -44,6 +44,8 @@ CLOSED_BEFORE = {
     "manual": "the dataset was closed by hand (datagen purge) first",
     STOPPED: "repeated failures stopped the dataset first (datagen retry sends them again)",
 }
+BASIS_WORDS = {"output": "output tokens", "total": "prompt + output tokens",
+               "kept": "output tokens of kept samples"}
 FINISH = {"stop": "stopped by the model", "length": "cut at max_new_tokens",
           "budget": "cut to fill the budget", "abort": "aborted"}
 
@@ -130,7 +132,7 @@ def _sampling(sampling: dict[str, Any]) -> str:
 
 
 def _budget(ds: DatasetRow) -> str:
-    basis = "output tokens" if ds.budget.basis == "output" else "prompt + output tokens"
+    basis = BASIS_WORDS[ds.budget.basis]
     return (f"{ds.budget.tokens:,} {basis} (basis `{ds.budget.basis}`), policy "
             f"`{ds.budget.policy}`")
 

@@ -17,12 +17,12 @@ from typing import Any, Protocol
 from common.conversation import turn_id
 from common.conversation_store import latest_turns
 from common.errors import ConfigError
+from common.kept import left_out, reasoning_closer, split_reasoning
 from common.store import DatasetRow, Store
 from common.tokenizer_files import code_class
 from ops.export_rows import ExportRow
 from ops.specforge_check import row_error
 from producer.generations import line_id
-from producer.template import _REASONING_MARKERS  # the one opener -> closer table
 
 FORMATS = ("specforge", "speculators", "parquet")
 # What a row is: a whole conversation (SpecForge's regeneration), or one assistant turn
@@ -81,14 +81,10 @@ def output_file(directory: Path, dataset: str, fmt: str) -> Path:
 
 def reasoning_close(ds: DatasetRow) -> str | None:
     """The marker closing the dataset's reasoning block, None when it opened none."""
-    if ds.reasoning_open is None:
-        return None
-    closer = _REASONING_MARKERS.get(ds.reasoning_open)
-    if closer is None:
-        raise ConfigError(
-            f"dataset {ds.name}: reasoning opener {ds.reasoning_open!r} has no known closer"
-        )
-    return closer
+    try:
+        return reasoning_closer(ds.reasoning_open)
+    except ConfigError as exc:
+        raise ConfigError(f"dataset {ds.name}: {exc}") from None
 
 
 def dataset_sampling(ds: DatasetRow) -> dict[str, Any]:
@@ -128,15 +124,6 @@ class SpecForgeBuilder:
             "expect_non_reasoning": self.closer is None,
         }
 
-    def split(self, text: str) -> tuple[str, str, bool]:
-        """(reasoning, answer, cut) as ``ChatTemplater.split_reasoning`` splits them."""
-        if self.closer is None:
-            return "", text, False
-        reasoning, found, answer = text.partition(self.closer)
-        if not found:
-            return text.strip(), "", True
-        return reasoning.strip(), answer.strip(), False
-
     def build(self, row: ExportRow) -> dict[str, Any] | LeftOut:
         if row.messages is None:
             return LeftOut("missing_prompt", "no prompt row for this result")
@@ -147,14 +134,14 @@ class SpecForgeBuilder:
                 and row.turn < self.latest.get(row.conversation, row.turn):
             return LeftOut("earlier_turn", f"turn {row.turn} of {row.conversation}, "
                            f"carried by turn {self.latest[row.conversation]}")
-        if row.finish_reason == "budget":
-            # The exact policy's crossing sample, cut to fill the budget: not an answer.
-            return LeftOut("cut_at_budget", f"cut to the budget at {row.completion_tokens} "
-                           "tokens")
-        reasoning, answer, cut = self.split(row.output_text)
-        if cut:
-            return LeftOut("cut_while_reasoning", f"no {self.closer} in "
-                           f"{row.completion_tokens} tokens (finish {row.finish_reason})")
+        # Not kept (common.kept): the samples the ``kept`` budget basis does not charge.
+        reason = left_out(row.finish_reason, row.output_text, self.closer)
+        if reason == "cut_at_budget":
+            return LeftOut(reason, f"cut to the budget at {row.completion_tokens} tokens")
+        if reason is not None:
+            return LeftOut(reason, f"no {self.closer} in {row.completion_tokens} tokens "
+                           f"(finish {row.finish_reason})")
+        reasoning, answer, _cut = split_reasoning(row.output_text, self.closer)
         if not answer.strip():
             return LeftOut("empty_answer", f"{row.completion_tokens} tokens, empty answer")
         turns = [_prompt_turn(m) for m in row.messages]
@@ -291,6 +278,7 @@ class ParquetBuilder:
             "server": row.server,
             "model": row.model,
             "created_at": row.created_at,
+            "kept": row.kept,
             "input_ids": row.input_ids,
         }
 

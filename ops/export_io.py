@@ -55,6 +55,7 @@ def parquet_schema() -> pa.Schema:
         pa.field("server", pa.string(), nullable=False),
         pa.field("model", pa.string(), nullable=False),
         pa.field("created_at", pa.timestamp("us", tz="UTC"), nullable=False),
+        pa.field("kept", pa.bool_()),  # null on rows stored before the column
         pa.field("input_ids", ids),  # joined from prompt_inputs; null if the row is gone
     ])
 

@@ -52,6 +52,7 @@ class ExportRow:
     turn: int | None = None
     sampling: dict[str, Any] | None = None  # the sampling_params sent; None if not stored
     template_kwargs: dict[str, Any] | None = None  # chat template arguments drawn
+    kept: bool | None = None  # an answer the exports keep (common.kept); None: stored before
 
 
 RESULT_COLUMNS: tuple[str, ...] = tuple(c.name for c in results.columns)

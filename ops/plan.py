@@ -200,8 +200,10 @@ def _in_conversations(store: Store, ds: DatasetRow, guess: int | None, prompt_me
     basis = ds.budget.basis
     whole = ResultSums(tokens.complete + one.done,
                        tokens.complete_completion_tokens + one.completion_tokens,
-                       tokens.complete_prompt_tokens + one.prompt_tokens)
-    spent = cost_on(basis, tokens.open_prompt_tokens, tokens.open_completion_tokens)
+                       tokens.complete_prompt_tokens + one.prompt_tokens,
+                       tokens.complete_kept_tokens + one.kept_completion_tokens)
+    spent = cost_on(basis, tokens.open_prompt_tokens, tokens.open_completion_tokens,
+                    tokens.open_kept_tokens)
     units = tokens.conversations + one.prompts
     turns = Fraction(tokens.turns + one.prompts, units) if units else Fraction(0)
     mean = estimate_mean(whole, basis, None if guess is None else guess * turns,

@@ -20,6 +20,7 @@ from sqlalchemy.engine import Engine
 
 from common.budget import cost_on, counts_prompt
 from common.schema import prompts, results
+from common.store import kept_completion_tokens
 
 RATE_WINDOW_S = 60
 PLAN_WINDOW_S = 600
@@ -34,10 +35,14 @@ class ResultSums:
     samples: int = 0
     completion_tokens: int = 0
     prompt_tokens: int = 0
+    kept_completion_tokens: int = 0  # completions of the samples kept (common.kept)
+    not_kept: int = 0  # samples stored but not kept: uncharged on basis "kept"
 
     def cost(self, basis: str) -> int:
-        """Tokens on a budget basis: "output" counts completions, "total" adds prompts."""
-        return cost_on(basis, self.prompt_tokens, self.completion_tokens)
+        """Tokens on a budget basis: "output" counts completions, "total" adds prompts,
+        "kept" counts kept samples' completions."""
+        return cost_on(basis, self.prompt_tokens, self.completion_tokens,
+                       self.kept_completion_tokens)
 
     def mean(self, basis: str) -> float | None:
         return self.cost(basis) / self.samples if self.samples else None
@@ -89,6 +94,9 @@ def _sums_query(where: Sequence[sa.ColumnElement[bool]]) -> sa.Select[Any]:
             sa.func.count(),
             sa.func.coalesce(sa.func.sum(results.c.completion_tokens), 0),
             sa.func.coalesce(sa.func.sum(results.c.prompt_tokens), 0),
+            sa.func.coalesce(sa.func.sum(kept_completion_tokens()), 0),
+            sa.func.coalesce(sa.func.sum(sa.case((results.c.kept.is_(sa.false()), 1),
+                                                 else_=0)), 0),
         )
         .where(*where)
         .group_by(results.c.dataset)
@@ -98,8 +106,8 @@ def _sums_query(where: Sequence[sa.ColumnElement[bool]]) -> sa.Select[Any]:
 def _run_sums(engine: Engine, query: sa.Select[Any]) -> dict[str, ResultSums]:
     with engine.connect() as conn:
         return {
-            name: ResultSums(int(n), int(completion), int(prompt))
-            for name, n, completion, prompt in conn.execute(query)
+            name: ResultSums(int(n), int(completion), int(prompt), int(kept), int(not_kept))
+            for name, n, completion, prompt, kept, not_kept in conn.execute(query)
         }
 
 
@@ -120,7 +128,7 @@ def recent_sums(
 
 
 def rate(sums: ResultSums | None, basis: str, window_s: float) -> float:
-    """Tokens per second over a window; output tokens unless basis is "total"."""
+    """Tokens per second over a window, on the budget basis."""
     return sums.cost(basis) / window_s if sums else 0.0
 
 

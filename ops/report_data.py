@@ -127,14 +127,15 @@ def _bin_width(d: DatasetReport, sums: q.ResultSummary | None) -> int:
 
 
 def _fill_results(d: DatasetReport, sums: q.ResultSummary | None, axis: q.TimeAxis,
-                  buckets: dict[int, tuple[int, int, int]]) -> None:
+                  buckets: dict[int, q.Bucket]) -> None:
     if sums:
         d.results = sums.samples
-        d.used_tokens = cost_on(d.basis, sums.prompt_tokens, sums.completion_tokens)
+        d.used_tokens = cost_on(d.basis, sums.prompt_tokens, sums.completion_tokens,
+                                sums.kept_completion_tokens)
     n = axis.buckets
     d.samples = _dense(buckets, n, lambda b: b[0])
     d.output_tokens = _dense(buckets, n, lambda b: b[1])
-    d.cost_tokens = _dense(buckets, n, lambda b: cost_on(d.basis, b[2], b[1]))
+    d.cost_tokens = _dense(buckets, n, lambda b: cost_on(d.basis, b[2], b[1], b[3]))
 
 
 def _fill_lengths(d: DatasetReport, by_reason: dict[str, dict[int, int]]) -> None:

@@ -24,6 +24,7 @@ from sqlalchemy.sql.compiler import SQLCompiler
 from sqlalchemy.sql.functions import FunctionElement
 
 from common.schema import conversations, datasets, prompt_inputs, prompts, results
+from common.store import kept_completion_tokens
 
 # Bars across a run's time axis and across a dataset's output lengths: enough to see a
 # shape, few enough to stay readable and to keep the page small.
@@ -84,6 +85,7 @@ class ResultSummary:
     max_completion_tokens: int
     first_s: int
     last_s: int
+    kept_completion_tokens: int  # completions of the kept samples (common.kept)
 
 
 def dataset_rows(engine: Engine) -> list[sa.Row[Any]]:
@@ -102,9 +104,11 @@ def result_summaries(engine: Engine) -> dict[str, ResultSummary]:
         results.c.dataset, sa.func.count(), sa.func.sum(results.c.completion_tokens),
         sa.func.sum(results.c.prompt_tokens), sa.func.max(results.c.completion_tokens),
         epoch_s(sa.func.min(results.c.created_at)), epoch_s(sa.func.max(results.c.created_at)),
+        sa.func.sum(kept_completion_tokens()),
     ).group_by(results.c.dataset)
     with engine.connect() as conn:
-        return {name: ResultSummary(*(int(v) for v in rest)) for name, *rest in conn.execute(q)}
+        return {name: ResultSummary(*(int(v or 0) for v in rest))
+                for name, *rest in conn.execute(q)}
 
 
 def max_new_tokens(engine: Engine) -> dict[str, int]:
@@ -163,17 +167,23 @@ def trouble_span(engine: Engine) -> tuple[int, int] | None:
     return None if first is None else (int(first), int(last))
 
 
-def timeline(engine: Engine, axis: TimeAxis) -> dict[str, dict[int, tuple[int, int, int]]]:
-    """Per dataset, per time bucket of ``created_at``: (results, completion, prompt tokens)."""
+Bucket = tuple[int, int, int, int]  # results, completion, prompt, kept completion tokens
+
+
+def timeline(engine: Engine, axis: TimeAxis) -> dict[str, dict[int, Bucket]]:
+    """Per dataset, per time bucket of ``created_at``: (results, completion, prompt, kept
+    completion tokens)."""
     inner = sa.select(results.c.dataset, axis.bucket(results.c.created_at).label("bucket"),
-                      results.c.completion_tokens, results.c.prompt_tokens).subquery()
+                      results.c.completion_tokens, results.c.prompt_tokens,
+                      kept_completion_tokens().label("kept")).subquery()
     q = sa.select(inner.c.dataset, inner.c.bucket, sa.func.count(),
                   sa.func.sum(inner.c.completion_tokens), sa.func.sum(inner.c.prompt_tokens),
-                  ).group_by(inner.c.dataset, inner.c.bucket)
-    out: dict[str, dict[int, tuple[int, int, int]]] = {}
+                  sa.func.sum(inner.c.kept)).group_by(inner.c.dataset, inner.c.bucket)
+    out: dict[str, dict[int, Bucket]] = {}
     with engine.connect() as conn:
-        for name, bucket, n, completion, prompt in conn.execute(q):
-            out.setdefault(name, {})[int(bucket)] = (int(n), int(completion), int(prompt))
+        for name, bucket, n, completion, prompt, kept in conn.execute(q):
+            out.setdefault(name, {})[int(bucket)] = (int(n), int(completion), int(prompt),
+                                                     int(kept or 0))
     return out
 
 

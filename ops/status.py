@@ -18,6 +18,10 @@ retried without end, so this, with ``last_error`` and ``last_error_count`` (how 
 them hold that newest error), is what tells a stuck run from an idle one. A closed
 dataset has none: its prompts left queued are dropped when a worker meets them.
 
+``not_kept`` counts the results stored that the exports do not keep as answers (cut
+while reasoning, or cut to the budget: common/kept.py); on basis ``kept`` these are the
+samples stored but not charged, and a note under the table says how many.
+
 ``conversations`` (datasets enqueued with ``--turns all``; null otherwise) counts the
 dataset's conversations by state, read from their turns (common/conversation_store.py):
 ``complete``, ``in_progress``, ``partial`` (some turns stored, none left to run: the
@@ -101,6 +105,9 @@ class DatasetStatus:
     # Its sampling mixtures (common/draws.py), null for none; samples of each prompt.
     mixtures: dict[str, list[dict[str, Any]]] | None = None
     generations: int = 1
+    # Results stored that the exports do not keep (common.kept): on basis "kept" they are
+    # the samples stored uncharged.
+    not_kept: int = 0
 
 
 @dataclass(frozen=True)
@@ -189,6 +196,7 @@ def _row(ds: DatasetRow, counts: dict[str, int], led: LedgerState, sums: ResultS
         seed=ds.order.seed,
         mixtures=ds.mixtures.to_json(),
         generations=ds.generations,
+        not_kept=sums.not_kept,
     )
 
 

@@ -83,7 +83,13 @@ def notes(rows: Sequence[DatasetStatus]) -> list[str]:
         f"({r.last_error_count:,} of them): {_one_line(r.last_error or '')}"
         for r in rows if r.retrying
     ]
-    return stopped + retrying + [_conversations(r) for r in rows if r.conversations]
+    uncharged = [
+        f"{r.name}: {r.not_kept:,} samples stored but not charged (basis kept): cut while "
+        "reasoning or cut to the budget, so no export keeps them as answers"
+        for r in rows if r.basis == "kept" and r.not_kept
+    ]
+    return (stopped + retrying + uncharged
+            + [_conversations(r) for r in rows if r.conversations])
 
 
 def _conversations(r: DatasetStatus) -> str:

@@ -24,6 +24,7 @@ from typing import Any
 
 import common
 from common.errors import ConfigError
+from common.kept import REASONING_MARKERS, split_reasoning
 from common.tokenizer_files import load_tokenizer
 
 BUNDLED_TOKENIZER: Path = Path(common.__file__).parent / "assets" / "tokenizer"
@@ -32,13 +33,6 @@ Messages = Sequence[dict[str, Any]]
 Tools = Sequence[dict[str, Any]] | None
 Renderer = Callable[[Messages, Tools], str]
 
-# Reasoning openers a template may leave open at the end of the generation prompt, with
-# the marker the model emits to close them.
-_REASONING_MARKERS: dict[str, str] = {
-    "<think>": "</think>",
-    "<seed:think>": "</seed:think>",
-    "◁think▷": "◁/think▷",
-}
 _PROBE: list[dict[str, Any]] = [{"role": "user", "content": "Hello"}]
 # A tool schema with its keys out of order, so a class that rewrites tools before rendering
 # (sorting them, say) shows on the probes.
@@ -226,7 +220,7 @@ class ChatTemplater:
 
     def _detect_reasoning(self) -> tuple[str | None, str | None]:
         tail = self._public_render(_PROBE).rstrip()
-        for opener, closer in _REASONING_MARKERS.items():
+        for opener, closer in REASONING_MARKERS.items():
             if tail.endswith(opener):
                 return opener, closer
         return None, None
@@ -297,9 +291,5 @@ class ChatTemplater:
         the markers is template formatting, not content. With no close marker the model
         was cut off while still reasoning, so there is no answer yet.
         """
-        if self.reasoning_close is None:
-            return "", text
-        reasoning, found, content = text.partition(self.reasoning_close)
-        if not found:
-            return text.strip(), ""
-        return reasoning.strip(), content.strip()
+        reasoning, content, _cut = split_reasoning(text, self.reasoning_close)
+        return reasoning, content

@@ -105,7 +105,7 @@ async def _run(
         return await sse_single(request, chunk)
     try:
         if req.stream:
-            return await _stream(request, sim, seq, record)
+            return await _stream(request, sim, seq, record, req.stream_interval)
         return await _plain(sim, seq, record)
     finally:
         sim.engine.finish(seq)
@@ -129,26 +129,36 @@ async def _plain(sim: SimState, seq: Sequence, record: RequestRecord) -> web.Res
 
 
 async def _stream(
-    request: web.Request, sim: SimState, seq: Sequence, record: RequestRecord
+    request: web.Request, sim: SimState, seq: Sequence, record: RequestRecord, interval: int
 ) -> web.StreamResponse:
     """Streaming: one SSE chunk per decode step, the final one with finish_reason."""
     resp = await start_sse(request)
     record.status = 200
     try:
-        await _write_chunks(resp, sim, seq, record)
+        await _write_chunks(resp, sim, seq, record, interval)
     except ConnectionError:  # client left between two chunks: same as a disconnect
         log.debug("stream %s: client went away", seq.rid)
     return resp
 
 
+def _due(count: int, sent: int, interval: int) -> bool:
+    """Whether a chunk is due at ``count`` tokens: every step at interval 1; else the first
+    token's and then every ``interval`` tokens (SGLang: ``len % interval == 1``)."""
+    if count <= sent:
+        return False
+    return interval == 1 or sent == 0 or count - sent >= interval
+
+
 async def _write_chunks(
-    resp: web.StreamResponse, sim: SimState, seq: Sequence, record: RequestRecord
+    resp: web.StreamResponse, sim: SimState, seq: Sequence, record: RequestRecord,
+    interval: int = 1,
 ) -> None:
     incremental = sim.cfg.incremental_streaming_output
     sent = 0
     if await sim.engine.wait_admitted(seq):
         async for count in sim.engine.decode(seq, STREAM_CHUNK_S):
-            if count >= seq.target or seq.abort_message is not None or count <= sent:
+            if count >= seq.target or seq.abort_message is not None \
+                    or not _due(count, sent, interval):
                 continue
             start = sent if incremental else 0
             chunk = build_output(sim.outputs, seq, (start, count), None, record.arrived_ts)

@@ -68,6 +68,8 @@ class SimState:
             "by_finish": dict(counts),
             "gen_throughput": self.engine.gen_throughput(),
             **self._clock(),
+            # GPU mode: simulated seconds of forward passes (null in the fast mode).
+            "simulated_s": self.engine.simulated_s(),
         }
 
     def _clock(self) -> dict[str, object]:

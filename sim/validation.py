@@ -33,6 +33,8 @@ class GenerateInput:
     max_new_tokens: int
     stream: bool
     ignore_eos: bool
+    #: Chunk cadence of a stream (``sampling_params.stream_interval``; the server's 1).
+    stream_interval: int = 1
 
 
 def _refuse_unsupported(body: dict[str, Any]) -> None:
@@ -136,4 +138,5 @@ def parse_generate(body: Any, cfg: SimConfig) -> GenerateInput:
         max_new_tokens=max(0, max_new),
         stream=bool(body.get("stream")),
         ignore_eos=bool(params.get("ignore_eos")),
+        stream_interval=max(1, int(params.get("stream_interval") or 1)),
     )

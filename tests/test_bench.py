@@ -334,3 +334,18 @@ def test_the_long_runs_growth_is_read_over_its_second_half() -> None:
     assert growth_per_10k(points) == pytest.approx(2.5)
     assert growth_per_10k(points[:3]) == pytest.approx(10.0)  # from 20,000 to 40,000
     assert growth_per_10k(points[:2]) == 0.0  # one part: no second half to read
+
+
+def test_the_prefix_cache_report_puts_the_legs_side_by_side() -> None:
+    from bench.prefix_cache import report
+
+    leg = {"requests": 8, "prompt": 1000, "cached": 0, "prefilled": 1000,
+           "later_prompt": 800, "later_cached": 0, "retracted": 0, "gpu_s": 10.0,
+           "wall_s": 2.0}
+    ahead = {**leg, "cached": 600, "prefilled": 400, "later_cached": 600, "gpu_s": 8.0}
+    lines = report(ahead, leg)
+    assert lines[0].split() == ["ahead", "fifo", "ahead/fifo"]
+    rows = {line[:40].strip(): line[40:].split() for line in lines[1:]}
+    assert rows["prompt tokens prefilled (computed)"] == ["400", "1,000", "0.400"]
+    assert rows["simulated GPU time, s"] == ["8", "10", "0.800"]
+    assert rows["cache hit rate, turns 2-4"][:2] == ["0.750", "0.000"]

@@ -14,7 +14,13 @@ from kombu import Queue
 from kombu.transport import redis as kombu_redis
 
 from common.celery_app import make_celery
-from common.keys import KOMBU_UNACKED, KOMBU_UNACKED_INDEX
+from common.keys import (
+    AHEAD_PRIORITY,
+    KOMBU_PRIORITY_SEP,
+    KOMBU_UNACKED,
+    KOMBU_UNACKED_INDEX,
+    PROMPT_PRIORITY,
+)
 from tests.conftest import make_settings
 from tests.faultkit import PrivateTlsRedis
 
@@ -28,7 +34,7 @@ def test_the_app_uses_kombus_redis_transport_and_its_unacked_keys(tmp_path: Path
         # app's options must leave them as kombu names them.
         assert conn.default_channel.unacked_key == KOMBU_UNACKED
         assert conn.default_channel.unacked_index_key == KOMBU_UNACKED_INDEX
-        assert conn.default_channel.priority_steps == [0]
+        assert conn.default_channel.priority_steps == [AHEAD_PRIORITY, PROMPT_PRIORITY]
         assert conn.as_uri().startswith("redis://")
 
 
@@ -73,25 +79,33 @@ def test_a_rediss_broker_delivers_and_records_messages_over_tls(tmp_path: Path) 
         client.close()
 
 
-def test_a_task_sent_with_a_priority_lands_in_the_one_list_a_worker_looks_at(
+def test_a_next_turn_is_consumed_before_the_new_prompts_queued_earlier(
     tmp_path: Path, redis_client: redis.Redis,
 ) -> None:
-    """With one priority step a worker's BRPOP names one list a queue, so a task sent
-    with a priority must land in that list, and come from it to the consumer."""
+    """Two priority steps: new prompts (PROMPT_PRIORITY) wait in the step's own list, a
+    conversation's next turn (AHEAD_PRIORITY) in the queue's, which a worker's BRPOP names
+    first; each list is first in, first out. A priority of neither step lands in one of
+    the two lists a worker looks at."""
     app = make_celery(make_settings(f"sqlite:///{tmp_path / 'd.db'}", "http://127.0.0.1:1"))
     queue = Queue("broker-priority")
+    lists = (queue.name, f"{queue.name}{KOMBU_PRIORITY_SEP}{PROMPT_PRIORITY}")
     try:
-        app.send_task("datagen.test-priority", args=[7], queue=queue.name, priority=9)
-        assert redis_client.llen(queue.name) == 1
-        assert redis_client.keys(f"{queue.name}?*") == []
+        for n in range(3):
+            app.send_task("datagen.test-priority", args=[n], queue=queue.name,
+                          priority=PROMPT_PRIORITY)
+        app.send_task("datagen.test-priority", args=["turn"], queue=queue.name,
+                      priority=AHEAD_PRIORITY)
+        app.send_task("datagen.test-priority", args=[3], queue=queue.name, priority=9)
+        assert [redis_client.llen(k) for k in lists] == [1, 4]
         got: list = []
         with app.connection_for_read() as conn, conn.Consumer(
-                queue, callbacks=[lambda body, message: (got.append(body), message.ack())],
+                queue, callbacks=[lambda body, message: (got.append(body[0][0]), message.ack())],
                 accept=["json"]):
-            conn.drain_events(timeout=5)
-        assert got and got[0][0] == [7], got
+            while len(got) < 5:
+                conn.drain_events(timeout=5)
+        assert got == ["turn", 0, 1, 2, 3], got
     finally:
-        redis_client.delete(queue.name, KOMBU_UNACKED, KOMBU_UNACKED_INDEX,
+        redis_client.delete(*lists, KOMBU_UNACKED, KOMBU_UNACKED_INDEX,
                             *redis_client.keys(f"{queue.name}?*"))
 
 

@@ -120,7 +120,7 @@ def test_a_redis_that_kept_its_data_is_not_rebuilt(
     enqueue_paths(settings, [str(write_dataset(tmp_path, "kept", 5))])
     client = ledger.redis
     publisher = Publisher(make_celery(settings))
-    client.delete(dataset_keys("kept").queue)  # lost, but not the whole Redis
+    client.delete(*dataset_keys("kept").queue_lists)  # lost, but not the whole Redis
     client.set(REBUILT, "1")
     assert rebuild_if_lost(store, client, publisher) is None  # left to the sweep
     assert queued_in_redis(client, "kept") == set()

@@ -32,13 +32,41 @@ def test_total_basis_counts_prompt_tokens(ledger: Ledger) -> None:
 @pytest.mark.parametrize("basis", BASES)
 def test_the_charge_script_costs_a_sample_as_the_budget_defines(
     ledger: Ledger, redis_client: redis.Redis, basis: Basis) -> None:
-    # The basis is defined once, in common/budget.py; CHARGE gets it as prompt_weight.
+    # The basis is defined once, in common/budget.py; CHARGE gets it as prompt_weight and
+    # kept_only.
     budget = Budget(10_000, basis=basis)
     ledger.configure("ds", budget)
-    for i, (prompt, completion) in enumerate([(30, 100), (0, 7), (512, 0), (1, 1)]):
-        ledger.charge("ds", f"s{i}", f"r{i}", prompt, completion)
+    samples = [(30, 100, True), (0, 7, False), (512, 0, True), (1, 1, True), (40, 60, False)]
+    for i, (prompt, completion, kept) in enumerate(samples):
+        ledger.charge("ds", f"s{i}", f"r{i}", prompt, completion, kept=kept)
         charged = redis_client.hget(dataset_keys("ds").charged, f"s{i}")
-        assert int(charged) == budget.cost(prompt, completion)
+        assert int(charged) == budget.cost(prompt, completion, kept)
+    assert ledger.state("ds").samples == len(samples)
+
+
+def test_kept_basis_charges_a_sample_not_kept_nothing_and_once(ledger: Ledger) -> None:
+    ledger.configure("ds", Budget(150, basis="kept"))
+    cut = ledger.charge("ds", "s1", "r1", 10, 400, kept=False)
+    assert (cut.status, cut.kept_completion_tokens, cut.crossed) == (Charge.CHARGED, 400, False)
+    assert ledger.charge("ds", "s1", "r2", 10, 400, kept=True).status is Charge.DUPLICATE
+    assert ledger.state("ds").used_tokens == 0
+    crossing = ledger.charge("ds", "s2", "r3", 10, 150, kept=True)
+    assert crossing.crossed and ledger.state("ds").used_tokens == 150
+
+
+def test_kept_basis_exact_cut_is_not_charged_and_closes(ledger: Ledger) -> None:
+    # A kept sample that no longer fits is cut, which leaves it no answer: charged nothing,
+    # and the dataset closes, so used never passes the budget.
+    ledger.configure("ds", Budget(150, basis="kept", policy="exact"))
+    ledger.charge("ds", "s1", "r1", 0, 100, kept=True)
+    long_cut_anyway = ledger.charge("ds", "s2", "r2", 0, 900, kept=False)
+    assert (long_cut_anyway.kept_completion_tokens, long_cut_anyway.crossed) == (900, False)
+    crossing = ledger.charge("ds", "s3", "r3", 0, 80, kept=True)
+    assert (crossing.status, crossing.kept_completion_tokens, crossing.crossed) == (
+        Charge.CHARGED, 50, True)
+    state = ledger.state("ds")
+    assert (state.state, state.used_tokens, state.samples) == ("closed", 100, 3)
+    assert ledger.charge("ds", "s4", "r4", 0, 10, kept=True).status is Charge.REFUSED
 
 
 def test_crossing_closes_and_purges_every_priority_list(

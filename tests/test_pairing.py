@@ -69,7 +69,7 @@ def redis_cli_args(url: str) -> str:
 
 
 def _queued(client: redis.Redis, name: str) -> int:
-    return int(client.llen(dataset_keys(name).queue))
+    return sum(int(client.llen(q)) for q in dataset_keys(name).queue_lists)
 
 
 @pytest.fixture

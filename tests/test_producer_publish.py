@@ -17,13 +17,14 @@ from celery.worker.request import Request
 from common.audit import queued_in_redis
 from common.celery_app import make_celery
 from common.errors import ServiceUnavailable
-from common.keys import queue_name
+from common.keys import PROMPT_PRIORITY, dataset_keys, queue_name
 from common.messages import GENERATE_TASK, STAMP, sample_of
 from common.publish import BATCH_SIZE, Publisher
 from tests.conftest import make_settings
 from workers.app import create_app
 
 DATASET, STAMP_VALUE = "pub", "pub@0123456789ab"
+PROMPTS = dataset_keys(DATASET).prompts  # the list new prompts wait in
 # Quotes, backslashes, non-ASCII and JSON-looking text must survive both encodings.
 ODD_IDS = ["plain", "it's", 'say "hi"', "back\\slash", "ünï©ødé ✓", '{"x": 1}', "\u2028"]
 
@@ -37,14 +38,14 @@ def app(redis_client: redis.Redis) -> Iterator[Celery]:
 
 def _queue(client: redis.Redis) -> list[dict[str, Any]]:
     """The queue's messages, oldest (next consumed) first."""
-    return [json.loads(raw) for raw in reversed(client.lrange(queue_name(DATASET), 0, -1))]
+    return [json.loads(raw) for raw in reversed(client.lrange(PROMPTS, 0, -1))]
 
 
 def _via_plain_send_task(app: Celery, ids: list[str]) -> None:
     """One send_task a message with nothing but the task's own options."""
     for sid in ids:
         app.send_task(GENERATE_TASK, kwargs={"dataset": DATASET, "sample_id": sid},
-                      queue=queue_name(DATASET), ignore_result=True,
+                      queue=queue_name(DATASET), ignore_result=True, priority=PROMPT_PRIORITY,
                       stamped_headers=[STAMP], **{STAMP: STAMP_VALUE})
 
 
@@ -62,7 +63,7 @@ def test_messages_equal_a_plain_send_tasks_but_for_fresh_ids(
 ) -> None:
     Publisher(app).publish(DATASET, STAMP_VALUE, ODD_IDS)
     batched = _queue(redis_client)
-    redis_client.delete(queue_name(DATASET))
+    redis_client.delete(PROMPTS)
     _via_plain_send_task(app, ODD_IDS)
     plain = _queue(redis_client)
     assert [_without_fresh_ids(m) for m in batched] == [_without_fresh_ids(m) for m in plain]
@@ -92,7 +93,7 @@ def test_a_worker_reads_the_task_and_its_stamp_revokes_it(
     worker_app = create_app(make_settings("sqlite://", "http://127.0.0.1:9"))
     with worker_app.connection_for_read() as conn:
         channel = conn.default_channel
-        raw = redis_client.rpop(queue_name(DATASET))
+        raw = redis_client.rpop(PROMPTS)
         assert isinstance(raw, bytes)
         message = channel.message_to_python(json.loads(raw))
         request = Request(message, app=worker_app, task=worker_app.tasks[GENERATE_TASK])
@@ -123,7 +124,9 @@ def test_each_chunk_lands_in_order_in_one_round_trip(
     real = redis.client.Pipeline.execute
 
     def execute(self: redis.client.Pipeline, raise_on_error: bool = True) -> list[Any]:
-        sent.append(len(self.command_stack))
+        # The messages' pipelines (the queue's declaration, once a connection, is not one).
+        if any(args[0] == "LPUSH" for args, _ in self.command_stack):
+            sent.append(len(self.command_stack))
         return real(self, raise_on_error)
 
     monkeypatch.setattr(redis.client.Pipeline, "execute", execute)
@@ -156,7 +159,7 @@ def test_a_failed_flush_is_reported_not_replayed(
 
 def test_message_stays_a_small_reference(app: Celery, redis_client: redis.Redis) -> None:
     Publisher(app).publish(DATASET, STAMP_VALUE, ["h0123456789abcdef"])
-    raw = redis_client.lindex(queue_name(DATASET), 0)
+    raw = redis_client.lindex(PROMPTS, 0)
     assert raw is not None and len(raw) <= 1100
 
 

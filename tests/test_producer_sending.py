@@ -7,11 +7,10 @@ import pytest
 import redis
 
 from common.celery_app import make_celery
-from common.keys import queue_name
 from common.messages import sample_of
 from producer.sending import Abandoned, Sender
 from tests.conftest import make_settings
-from tests.test_producer_publish import DATASET, STAMP_VALUE, _queue
+from tests.test_producer_publish import DATASET, PROMPTS, STAMP_VALUE, _queue
 
 
 def test_chunks_reach_redis_in_the_order_they_were_handed_over(
@@ -46,4 +45,4 @@ def test_a_failed_chunk_fails_its_future_and_abandons_the_later_ones(
             second.result(timeout=60)
     finally:
         sender.close()
-    assert redis_client.llen(queue_name(DATASET)) == 0
+    assert redis_client.llen(PROMPTS) == 0

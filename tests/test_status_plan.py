@@ -43,7 +43,7 @@ STATUS_KEYS = {
     "budget_tokens", "basis", "policy", "inflight", "closed_at", "overshoot_tokens",
     "tok_per_s", "eta_s", "retrying", "last_error", "last_error_count", "stop_error",
     "conversations",
-    "order", "seed", "mixtures", "generations",
+    "order", "seed", "mixtures", "generations", "not_kept",
 }
 TOTALS_KEYS = {
     "datasets", "open", "prompts", "done", "failed", "skipped", "queued", "inflight",

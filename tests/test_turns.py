@@ -19,11 +19,12 @@ import sqlalchemy as sa
 from common.audit import queued_in_redis, requeue_lost
 from common.budget import Budget
 from common.celery_app import make_celery
-from common.conversation import first_turn, next_turn, turn_count, turn_starts
+from common.conversation import first_turn, next_turn, turn_count, turn_id, turn_starts
 from common.conversation_store import conversation_counts, queued_later_turns
 from common.errors import ConfigError
 from common.keys import dataset_keys
 from common.ledger import Ledger
+from common.messages import sample_of
 from common.publish import Publisher
 from common.schema import prompt_inputs, prompts, results
 from common.settings import Settings
@@ -270,8 +271,9 @@ def test_a_budget_closing_mid_conversation_starts_no_later_turn(
     by = turn_rows(store, "short")
     stored = {c: sum(r.output_text is not None for r in rows) for c, rows in by.items()}
     waiting = [r for rows in by.values() for r in rows if r.output_text is None]
-    # The turns the stored ones made possible are kept, queued, and were never sent.
-    assert waiting and all(r.turn > 1 for r in waiting)
+    # The turns the stored ones made possible are kept, queued, and were never sent. (Next
+    # turns go ahead of new conversations, so some conversations never started.)
+    assert any(r.turn > 1 for r in waiting)
     sent = {r["input_sha1"] for r in log}
     assert not any(input_sha1(r.input_ids) in sent for r in waiting)
     partial = sum(0 < n < 3 for n in stored.values())
@@ -470,3 +472,25 @@ def test_without_a_mode_a_new_dataset_is_all_and_an_old_one_keeps_its_own(
     enqueue_paths(settings, [str(old)], turns="last")
     [summary] = enqueue_paths(settings, [str(old)], turns=None)  # not refused: still last
     assert store.dataset("old").turns == "last" and summary.enqueued == 0
+
+
+def test_a_next_turn_is_queued_ahead_of_the_new_conversations(
+    settings: Settings, store: Store, ledger: Ledger, tmp_path: Path,
+) -> None:
+    # Published right after its turn is stored, a next turn goes to the list a worker pops
+    # first, so it is sent while its prefix is still in the server's prefix cache.
+    lines = [_conversation(2 * i, 2) for i in range(4)]
+    enqueue_paths(settings, [str(_write(tmp_path / "ahead.jsonl", lines))],
+                  max_new_tokens=400, turns="all")
+    ahead, later = dataset_keys("ahead").queue_lists[:2]
+    assert ledger.redis.llen(ahead) == 0 and ledger.redis.llen(later) == len(lines)
+    ctx = WorkerContext.build(settings)
+    for line in lines:
+        assert run_sample(ctx, "ahead", turn_id(line["id"], 1)) is Outcome.DONE
+    answered = [c for c, rows in turn_rows(store, "ahead").items()
+                if _answer(rows[0].output_text)]
+    assert answered  # turns with a next one, or the test proves nothing
+    waiting = [sample_of(json.loads(raw)) for raw in ledger.redis.lrange(ahead, 0, -1)]
+    assert sorted(waiting) == sorted(("ahead", turn_id(c, 2)) for c in answered)
+    # The first turns' own messages were not consumed here: still behind, in their list.
+    assert ledger.redis.llen(later) == len(lines)

@@ -150,7 +150,7 @@ def test_prompts_redis_lost_are_found_and_enqueued_again(
     enqueue_paths(settings, [path])
     client = ledger.redis
     assert queued_in_redis(client, "lost") == {f"lost-{i}" for i in range(8)}
-    client.delete(dataset_keys("lost").queue)  # Redis loses the messages, SQL does not
+    client.delete(*dataset_keys("lost").queue_lists)  # Redis loses the messages, SQL does not
     assert queued_in_redis(client, "lost") == set()
     publisher = Publisher(make_celery(settings))
     assert requeue_lost(store, client, publisher, quiet_for_s=3600) == {}  # too recent
@@ -178,7 +178,7 @@ def test_a_message_taken_by_a_worker_that_died_before_recording_it_is_swept_back
     enqueue_paths(settings, [str(write_dataset(tmp_path, "gap", 6))])
     client = ledger.redis
     for _ in range(2):  # what the dead worker's BRPOPs took
-        assert client.rpop(dataset_keys("gap").queue) is not None
+        assert client.rpop(dataset_keys("gap").prompts) is not None
     assert len(queued_in_redis(client, "gap")) == 4
     with running_worker(settings, concurrency=4) as app:
         # What the worker's ready signal starts under `celery worker` (workers/app.py).

@@ -16,6 +16,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from common.db import UNAVAILABLE
+from common.kept import is_kept, reasoning_closer
 from common.ledger import Admission, AdmitArgs, Charge, ChargeArgs, ChargeResult, Ledger
 from common.rows import NewPrompt, ResultRow
 from common.sglang_client import Completion
@@ -72,7 +73,8 @@ def settle_group(store: Store, ledger: Ledger, build_row: RowBuilder,
     # Charged only while this Redis is still paired with this worker's database: a
     # request sent before another run took it must not count in that run's budget.
     charges = ledger.charge_many([
-        ChargeArgs(ds.name, sample_id, c.rid, c.prompt_tokens, c.completion_tokens)
+        ChargeArgs(ds.name, sample_id, c.rid, c.prompt_tokens, c.completion_tokens,
+                   kept(ds, c.finish_type, c.text))
         for ds, sample_id, c in items], store.store_id)
     rows: dict[int, ResultRow] = {}
     failed: dict[int, Exception] = {}
@@ -117,6 +119,11 @@ def _follows(follow: FollowBuilder | None, kept: list[tuple[DatasetRow, ResultRo
         return {}
 
 
+def kept(ds: DatasetRow, finish_reason: str, text: str) -> bool:
+    """Whether the exports keep this output as an answer (common.kept)."""
+    return is_kept(finish_reason, text, reasoning_closer(ds.reasoning_open))
+
+
 def result_row(ds: DatasetRow, sample_id: str, c: Completion, charge: ChargeResult, *,
                model: str, decoder: Callable[[str], Decoder | None]) -> ResultRow:
     """The row to keep: the output as charged; one cut to the budget (``exact``) is
@@ -143,4 +150,5 @@ def result_row(ds: DatasetRow, sample_id: str, c: Completion, charge: ChargeResu
         server=c.server,
         model=model,
         sampling=c.sampling_params,
+        kept=kept(ds, finish, text),
     )

@@ -10,8 +10,9 @@ whatever is killed or redelivered, and no other process needs the tokenizer. Eac
 process loads a dataset's tokenizer once (checked against the template the producer used)
 and keeps it.
 
-The next turn is published once the transaction commits, into its dataset's queue like
-any prompt (behind the messages already waiting there). If the worker dies between the
+The next turn is published once the transaction commits, into its dataset's queue ahead
+of the new prompts waiting there (common/messages.py), so its prefix is still in the
+server's prefix cache when it is sent. If the worker dies between the
 commit and the publishing, the redelivered turn finds its sample stored and publishes
 the next turn again; failing that, the workers' sweep publishes it, as any queued prompt
 Redis lost.
@@ -143,7 +144,7 @@ def publish_next(publisher: Publisher, ledger: Ledger, ds: DatasetRow, sample_id
     try:
         if ledger.is_closed(ds.name):
             return False
-        publisher.publish(ds.name, ds.stamp, [sample_id])
+        publisher.publish(ds.name, ds.stamp, [sample_id], ahead=True)
     except Exception as exc:  # Redis away: the turn is queued in SQL, the sweep sends it
         log.warning("%s/%s: not published (%s); the sweep will publish it", ds.name,
                     sample_id, exc)
