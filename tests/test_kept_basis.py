@@ -103,5 +103,5 @@ def _specforge_left_out(settings: Settings, out: Path) -> dict[str, int]:
     args = parser.parse_args(["export", "--format", "specforge", "--out", str(out),
                               "--allow-empty"])
     assert run_export(args, settings) == 0
-    doc = json.loads((out / "manifest.json").read_text())
+    doc = json.loads((out / "manifest.datagen").read_text())
     return dict(doc["datasets"]["kb"]["left_out"])
