@@ -242,10 +242,6 @@ class Engine:
         """Current decode throughput (tokens/s) of the whole server."""
         return len(self.running) * self.injector.faults.decode_tok_per_s
 
-    def simulated_s(self) -> float | None:
-        """Seconds of simulated GPU time: none here, the fast mode runs in real time."""
-        return None
-
     def load(self) -> Load:
         """Slots as the running batch, each holding its prompt and output so far."""
         for seq in self.running.values():

@@ -202,10 +202,6 @@ class GpuEngine:
         """Output tokens per simulated second over the recent window."""
         return self.sched.stats.gen_throughput()
 
-    def simulated_s(self) -> float:
-        """Seconds of simulated GPU time the forward passes took so far (time-scale free)."""
-        return self.sched.stats.clock_s
-
     def load(self) -> Load:
         """/v1/loads and /metrics figures."""
         sched, stats = self.sched, self.sched.stats

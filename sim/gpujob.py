@@ -73,7 +73,8 @@ class Step:
 class StepStats:
     """Totals and recent-window figures behind /v1/loads and /metrics (simulated time)."""
 
-    clock_s: float = 0.0
+    clock_s: float = 0.0  # the server's clock: passes and idle time (sim.gpu adds it)
+    busy_s: float = 0.0  # the passes alone
     generated_tokens_total: int = 0
     prompt_hit_tokens_total: int = 0
     prompt_uncached_tokens_total: int = 0
@@ -91,6 +92,7 @@ class StepStats:
     def record(self, step: Step) -> None:
         """Account one pass."""
         self.clock_s += step.duration_s
+        self.busy_s += step.duration_s
         self.generated_tokens_total += step.tokens
         self.window.append((step.tokens, step.duration_s, len(step.retracted)))
         if step.kind == PREFILL:

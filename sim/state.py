@@ -68,18 +68,21 @@ class SimState:
             "by_finish": dict(counts),
             "gen_throughput": self.engine.gen_throughput(),
             **self._clock(),
-            # GPU mode: simulated seconds of forward passes (null in the fast mode).
-            "simulated_s": self.engine.simulated_s(),
         }
 
     def _clock(self) -> dict[str, object]:
-        """GPU mode: the simulated clock, on which its throughput is measured, the output
-        tokens decoded and the requests retracted; None in the fast mode."""
+        """GPU mode: the simulated clock (passes and idle time), on which its throughput is
+        measured; the seconds of its forward passes alone (what a real server's GPU would
+        spend); the output tokens decoded and the requests retracted. None in the fast
+        mode, which runs in real time."""
         if not isinstance(self.engine, GpuEngine):
-            return {"sim_clock_s": None, "generated_tokens": None, "retracted_reqs_total": None}
+            return dict.fromkeys(("sim_clock_s", "simulated_s", "generated_tokens",
+                                  "retracted_reqs_total"))
         clock_s, generated = self.engine.clock()
-        return {"sim_clock_s": clock_s, "generated_tokens": generated,
-                "retracted_reqs_total": self.engine.sched.stats.retracted_reqs_total}
+        stats = self.engine.sched.stats
+        return {"sim_clock_s": clock_s, "simulated_s": stats.busy_s,
+                "generated_tokens": generated,
+                "retracted_reqs_total": stats.retracted_reqs_total}
 
 
 SIM_KEY: web.AppKey[SimState] = web.AppKey("sim", SimState)

@@ -243,10 +243,15 @@ def test_gpu_mode_clock_counts_passes_and_idle_time_not_its_own_overhead() -> No
         # One prefill of 100 tokens (its first token), then a decode pass a token.
         passes = law.prefill_s(100) + (int(meta["completion_tokens"]) - 1) * law.decode_s(1, 100)
         assert after_one - start >= passes
+        busy = float(requests.get(f"{srv.url}/sim/stats", timeout=10).json()["simulated_s"])
+        assert passes <= busy <= after_one - start  # the passes alone
         time.sleep(0.5)  # idle: half a second of wall time is 5 simulated seconds
         assert clock() - after_one >= 0.5 * cfg.time_scale
+        stats = requests.get(f"{srv.url}/sim/stats", timeout=10).json()
+        assert stats["simulated_s"] == busy  # nothing while idle
     with SimServer(SimConfig(port=0, decode_tok_per_s=0)) as srv:
-        assert requests.get(f"{srv.url}/sim/stats", timeout=10).json()["sim_clock_s"] is None
+        stats = requests.get(f"{srv.url}/sim/stats", timeout=10).json()
+        assert stats["sim_clock_s"] is None and stats["simulated_s"] is None
 
 
 def test_gpu_mode_streams(gpu: str) -> None:
