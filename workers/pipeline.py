@@ -115,31 +115,26 @@ def _generate(ctx: WorkerContext, prompt: PromptRow, server: str, rid: str,
     ds = ctx.dataset(prompt.dataset)
     # Under drain a close aborts the requests still queued on the server, so the request
     # is streamed to learn when it starts (common/sglang_stream.py).
+    # Its mark goes with the rid's inflight entry, in the charge or the release.
     on_start = _starter(ctx, ds.name, rid) if ds.budget.policy == "drain" else None
-    try:
-        with ctx.metrics.request(prompt.dataset):
-            completion = ctx.client.generate(server, rid, prompt.input_ids,
-                                             sampling_params(ds, prompt), on_start)
-    finally:
-        if on_start is not None:
-            _quietly(lambda: ctx.ledger.forget_started(ds.name, rid))
+    with ctx.metrics.request(prompt.dataset):
+        completion = ctx.client.generate(server, rid, prompt.input_ids,
+                                         sampling_params(ds, prompt), on_start)
     if completion.finish_type == "abort":
         return _aborted(ctx, prompt.dataset, prompt.sample_id, rid, completion)
     return keep(ctx, ds, prompt.sample_id, completion)
 
 
 def _starter(ctx: WorkerContext, dataset: str, rid: str) -> Callable[[], None]:
-    return lambda: _quietly(lambda: ctx.ledger.mark_started(dataset, rid))
-
-
-def _quietly(fn: Callable[[], None]) -> None:
-    """A started mark, best effort: Redis away must not fail the request. A mark missing
-    lets a drain close abort a running request (its partial output is not kept); one
-    left behind only spares a request that has ended."""
-    try:
-        fn()
-    except redis.RedisError as exc:
-        log.warning("started mark not written (%s)", exc)
+    def mark() -> None:
+        """A started mark, best effort: Redis away must not fail the request. A mark
+        missing lets a drain close abort a running request (its partial output is not
+        kept)."""
+        try:
+            ctx.ledger.mark_started(dataset, rid)
+        except redis.RedisError as exc:
+            log.warning("started mark not written (%s)", exc)
+    return mark
 
 
 def keep(ctx: WorkerContext, ds: DatasetRow, sample_id: str, completion: Completion) -> Outcome:
