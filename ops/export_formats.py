@@ -17,7 +17,7 @@ from typing import Any, Protocol
 from common.conversation import turn_id
 from common.conversation_store import latest_turns
 from common.errors import ConfigError
-from common.kept import left_out, reasoning_closer, split_reasoning
+from common.kept import left_out, sample_closer, split_reasoning
 from common.store import DatasetRow, Store
 from common.tokenizer_files import code_class
 from ops.export_rows import ExportRow
@@ -79,10 +79,12 @@ def output_file(directory: Path, dataset: str, fmt: str) -> Path:
     return directory / f"{dataset}.{EXTENSIONS[fmt]}"
 
 
-def reasoning_close(ds: DatasetRow) -> str | None:
-    """The marker closing the dataset's reasoning block, None when it opened none."""
+def reasoning_close(ds: DatasetRow, drawn: Mapping[str, Any] | None = None) -> str | None:
+    """The marker closing the reasoning block of the dataset's prompts rendered with the
+    template arguments ``drawn`` (its own draw's, common/kept.py), None when they opened
+    none."""
     try:
-        return reasoning_closer(ds.reasoning_open)
+        return sample_closer(ds, drawn)
     except ConfigError as exc:
         raise ConfigError(f"dataset {ds.name}: {exc}") from None
 
@@ -111,18 +113,19 @@ class SpecForgeBuilder:
     turn's prompt holds every earlier answer as the model's own, each with its
     ``reasoning_content``, and the turn's answer ends it. ``latest``: each conversation's
     last stored turn (``common.conversation_store.latest_turns``); its earlier turns are
-    left out as ``earlier_turn``."""
+    left out as ``earlier_turn``.
+
+    Reasoning is split at the marker closing the row's own prompt's reasoning block: a
+    drawn template argument may have opened none (``thinking=false``), and that row's
+    whole output is its answer, with an empty ``reasoning_content``."""
 
     def __init__(self, ds: DatasetRow, latest: Mapping[str, int] | None = None,
                  rows: str = "conversation") -> None:
+        self.ds = ds
         self.latest = latest or {}
         self.rows = rows
         self.sampling = dataset_sampling(ds)
-        self.closer = reasoning_close(ds)
-        self.flags = {
-            "expect_reasoning": self.closer is not None,
-            "expect_non_reasoning": self.closer is None,
-        }
+        reasoning_close(ds)  # an opener without a known closer fails before any row
 
     def build(self, row: ExportRow) -> dict[str, Any] | LeftOut:
         if row.messages is None:
@@ -134,14 +137,15 @@ class SpecForgeBuilder:
                 and row.turn < self.latest.get(row.conversation, row.turn):
             return LeftOut("earlier_turn", f"turn {row.turn} of {row.conversation}, "
                            f"carried by turn {self.latest[row.conversation]}")
+        closer = reasoning_close(self.ds, row.template_kwargs)
         # Not kept (common.kept): the samples the ``kept`` budget basis does not charge.
-        reason = left_out(row.finish_reason, row.output_text, self.closer)
+        reason = left_out(row.finish_reason, row.output_text, closer)
         if reason == "cut_at_budget":
             return LeftOut(reason, f"cut to the budget at {row.completion_tokens} tokens")
         if reason is not None:
-            return LeftOut(reason, f"no {self.closer} in {row.completion_tokens} tokens "
+            return LeftOut(reason, f"no {closer} in {row.completion_tokens} tokens "
                            f"(finish {row.finish_reason})")
-        reasoning, answer, _cut = split_reasoning(row.output_text, self.closer)
+        reasoning, answer, _cut = split_reasoning(row.output_text, closer)
         if not answer.strip():
             return LeftOut("empty_answer", f"{row.completion_tokens} tokens, empty answer")
         turns = [_prompt_turn(m) for m in row.messages]
@@ -150,11 +154,18 @@ class SpecForgeBuilder:
         if row.tools is not None:
             record["tools"] = row.tools
         record.update(sent(row, self.sampling, "sampling"))
-        error = row_error(record, **self.flags)
+        error = row_error(record, **self.expectations(record))
         if error is None:
             return record if self.rows == "conversation" else self.turn_row(record, row)
         reason = "think_marker" if "thinking marker" in error else "prompt_breaks_checker"
         return LeftOut(reason, error)
+
+    def expectations(self, record: dict[str, Any]) -> dict[str, bool]:
+        """The checker's reasoning flags for a row: those of its own prompt, rendered with
+        the ``chat_template_kwargs`` the row carries when they were drawn."""
+        drawn = record.get("chat_template_kwargs")
+        closer = reasoning_close(self.ds, drawn if isinstance(drawn, dict) else None)
+        return {"expect_reasoning": closer is not None, "expect_non_reasoning": closer is None}
 
     def turn_row(self, record: dict[str, Any], row: ExportRow) -> dict[str, Any]:
         """The row of this one assistant turn, as SpecForge's expansion writes it: earlier

@@ -198,6 +198,9 @@ class Enqueuer:
             order=self._orders[plan.name],
             mixtures=mixtures,
             generations=generations,
+            # Every draw's, before any prompt is stored: workers judge each sample by its
+            # own draw's opener (common/kept.py).
+            reasoning_opens=self.templater.reasoning_opens(mixtures.template_draws()),
         )
         if old is not None:
             if self.store.prompt_counts(plan.name):

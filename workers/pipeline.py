@@ -20,6 +20,7 @@ from common.closing import after_close
 from common.db import UNAVAILABLE
 from common.draws import draw_id, seed_of
 from common.errors import TransientError, UnstorableResult
+from common.kept import sample_closer
 from common.ledger import Admission, Charge
 from common.reconcile import reconcile_dataset
 from common.rids import new_rid
@@ -49,15 +50,26 @@ class Outcome(StrEnum):
     MISSING = "missing-prompt"
 
 
+def _draw(ds: DatasetRow, prompt: PromptRow) -> tuple[int, str]:
+    """What the prompt's draws are keyed by (common/draws.py): a pure function, so a
+    redelivery draws the same, and the same the producer rendered the prompt with."""
+    return seed_of(ds.order.seed), draw_id(prompt.sample_id, prompt.conversation)
+
+
 def sampling_params(ds: DatasetRow, prompt: PromptRow) -> dict[str, Any]:
     """What the request sends: the dataset's sampling, the values drawn for the prompt
-    (common/draws.py: a pure function, so a redelivery sends the same) and its cap."""
+    and its cap."""
     params = {k: v for k, v in ds.sampling.items() if k != "max_new_tokens"}
     if ds.mixtures:
-        params.update(ds.mixtures.sampling(seed_of(ds.order.seed),
-                                           draw_id(prompt.sample_id, prompt.conversation)))
+        params.update(ds.mixtures.sampling(*_draw(ds, prompt)))
     params["max_new_tokens"] = prompt.max_new_tokens
     return params
+
+
+def reasoning_closer(ds: DatasetRow, prompt: PromptRow) -> str | None:
+    """The marker closing the prompt's reasoning block: its own template draw's."""
+    drawn = ds.mixtures.template(*_draw(ds, prompt)) if ds.mixtures.template_keys else None
+    return sample_closer(ds, drawn)
 
 
 def run_sample(ctx: WorkerContext, dataset: str, sample_id: str) -> Outcome:
@@ -122,7 +134,7 @@ def _generate(ctx: WorkerContext, prompt: PromptRow, server: str, rid: str,
                                          sampling_params(ds, prompt), on_start)
     if completion.finish_type == "abort":
         return _aborted(ctx, prompt.dataset, prompt.sample_id, rid, completion)
-    return keep(ctx, ds, prompt.sample_id, completion)
+    return keep(ctx, ds, prompt.sample_id, completion, reasoning_closer(ds, prompt))
 
 
 def _starter(ctx: WorkerContext, dataset: str, rid: str) -> Callable[[], None]:
@@ -137,9 +149,11 @@ def _starter(ctx: WorkerContext, dataset: str, rid: str) -> Callable[[], None]:
     return mark
 
 
-def keep(ctx: WorkerContext, ds: DatasetRow, sample_id: str, completion: Completion) -> Outcome:
-    """Charge the sample, then store what the charge allows."""
-    settled = ctx.settlements((ds, sample_id, completion))
+def keep(ctx: WorkerContext, ds: DatasetRow, sample_id: str, completion: Completion,
+         closer: str | None) -> Outcome:
+    """Charge the sample, then store what the charge allows (``closer``: the marker closing
+    its reasoning, for whether it is kept)."""
+    settled = ctx.settlements((ds, sample_id, completion, closer))
     charge, row, then = settled.charge, settled.row, settled.then
     if charge.status is Charge.REFUSED:
         ctx.metrics.discarded.labels(ds.name).inc()
