@@ -150,11 +150,11 @@ def test_a_failed_publish_stops_the_run_and_the_rerun_completes_it(
     real = Publisher.publish
 
     def publish_then_fail(self: Publisher, dataset: str, stamp: str,
-                          ids: list[str]) -> None:
+                          ids: list[str], ahead: bool = False) -> None:
         calls["n"] += 1
         if calls["n"] == 3:
             raise redis.ConnectionError("Redis went away")
-        real(self, dataset, stamp, ids)
+        real(self, dataset, stamp, ids, ahead)
 
     # Changed in this process only, so the publishing stays in a thread of it.
     monkeypatch.setattr(Publisher, "publish", publish_then_fail)
