@@ -1,7 +1,7 @@
 """``datagen export``: stored results as training files, one per dataset, plus a manifest.
 
     datagen export --format specforge|speculators|parquet --out DIR [--dataset NAME ...]
-                   [--allow-empty]
+                   [--rows conversation|turn] [--allow-empty]
 
 Writes ``DIR/<dataset>.specforge.jsonl`` (or ``.speculators.jsonl``, ``.parquet``) and
 ``DIR/manifest.datagen`` (JSON). Memory stays flat in the number of results: rows stream
@@ -62,7 +62,9 @@ def add_export_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParse
                    help="only these datasets (default: all)")
     p.add_argument("--rows", choices=ROWS, default=None,
                    help="specforge: a row per conversation (default) or per assistant turn, "
-                        "as SpecForge's expand_reasoning_conversations.py writes them")
+                        "as SpecForge's expand_reasoning_conversations.py writes them; "
+                        "speculators: a row per turn (default) or per conversation, every "
+                        "own answer in it masked 1")
     p.add_argument("--allow-empty", action="store_true",
                    help="exit 0 even when a dataset with results gets a file with no row")
     add_quiet_flag(p)
@@ -131,14 +133,15 @@ def write_rows(
 
 def export_dataset(
     store: Store, ds: DatasetRow, fmt: str, out: Path, progress: ProgressBar,
-    rows: str | None = None,
+    rows: str | None = None, trust_remote_code: bool = False,
 ) -> DatasetExport:
     upto = snapshot_id(store, ds.name)
     path = output_file(out, ds.name, fmt)
     stats = DatasetExport(ds.name, path.name, count_results(store, ds.name, upto), upto,
                           ds.reasoning_open, ds.order, ds.mixtures.to_json(),
                           ds.generations)
-    builder = make_builder(fmt, ds, conversation_ends(store, ds, upto), rows)
+    builder = make_builder(fmt, ds, conversation_ends(store, ds, upto), rows,
+                           trust_remote_code)
     stats.notes.update(builder_notes(builder))
     progress.label(ds.name)
     with open_sink(fmt, path) as sink:
@@ -235,8 +238,8 @@ def run_export(args: argparse.Namespace, settings: Settings) -> int:
     total = sum(counts.get(ds.name, 0) for ds in datasets)
     with ProgressBar("export", "rows", total, quiet=args.quiet,
                      every_s=settings.progress_every_s) as progress:
-        stats = [export_dataset(store, ds, args.format, out, progress, args.rows)
-                 for ds in datasets]
+        stats = [export_dataset(store, ds, args.format, out, progress, args.rows,
+                                settings.trust_remote_code) for ds in datasets]
     doc = manifest(args.format, settings.database_url, stats, args.allow_empty, args.rows)
     write_manifest(out, doc)
     write_card(out, store, args.format, doc["created_at"], datasets, stats)

@@ -21,12 +21,14 @@ from common.kept import left_out, reasoning_closer, split_reasoning
 from common.store import DatasetRow, Store
 from common.tokenizer_files import code_class
 from ops.export_rows import ExportRow
+from ops.export_spans import ConversationMasks, SpanError
 from ops.specforge_check import row_error
 from producer.generations import line_id
 
 FORMATS = ("specforge", "speculators", "parquet")
-# What a row is: a whole conversation (SpecForge's regeneration), or one assistant turn
-# (SpecForge's expand_reasoning_conversations.py; a speculators row is always one turn).
+# What a row is: a whole conversation (SpecForge's regeneration; for speculators, the last
+# turn's ids with every own answer masked 1), or one assistant turn (SpecForge's
+# expand_reasoning_conversations.py; a speculators turn row is that turn's request).
 ROWS = ("conversation", "turn")
 # The suffix of a turn row's id, numbered from 0 as SpecForge's expansion numbers them.
 TURN_ROW = "#turn"
@@ -47,6 +49,8 @@ REASONS = {
     "empty_output": "no output tokens: nothing to train on",
     "earlier_turn": "an earlier turn of a conversation: the row of its last stored turn "
                     "carries it",
+    "answers_unplaced": "its prompt's own earlier answers cannot be placed exactly in its "
+                        "ids (the template or tokenizer differs from the run's)",
 }
 
 
@@ -73,6 +77,15 @@ class LeftOut:
 
 class Builder(Protocol):
     def build(self, row: ExportRow) -> dict[str, Any] | LeftOut: ...
+
+
+def earlier_turn(row: ExportRow, latest: Mapping[str, int]) -> LeftOut | None:
+    """A turn before its conversation's last stored one, which that one's row carries."""
+    if row.conversation is None or row.turn is None \
+            or row.turn >= latest.get(row.conversation, row.turn):
+        return None
+    return LeftOut("earlier_turn", f"turn {row.turn} of {row.conversation}, carried by "
+                   f"turn {latest[row.conversation]}")
 
 
 def output_file(directory: Path, dataset: str, fmt: str) -> Path:
@@ -129,11 +142,9 @@ class SpecForgeBuilder:
             return LeftOut("missing_prompt", "no prompt row for this result")
         if not row.sample_id.strip():
             return LeftOut("invalid_id", f"id {row.sample_id!r} is blank")
-        if self.rows == "conversation" and row.conversation is not None \
-                and row.turn is not None \
-                and row.turn < self.latest.get(row.conversation, row.turn):
-            return LeftOut("earlier_turn", f"turn {row.turn} of {row.conversation}, "
-                           f"carried by turn {self.latest[row.conversation]}")
+        earlier = earlier_turn(row, self.latest) if self.rows == "conversation" else None
+        if earlier is not None:
+            return earlier
         # Not kept (common.kept): the samples the ``kept`` budget basis does not charge.
         reason = left_out(row.finish_reason, row.output_text, self.closer)
         if reason == "cut_at_budget":
@@ -207,6 +218,11 @@ def _prompt_decoder(ds: DatasetRow) -> tuple[Any, str]:
 class SpeculatorsBuilder:
     """Token-level rows: prompt + output ids, a loss mask on the output, and metadata.
 
+    A conversation row (``rows="conversation"``) is its last stored turn's: that turn's
+    prompt ids (every earlier answer the model's own, as the template renders history)
+    and output, masked 1 on the output and on each own earlier answer as it sits in the
+    prompt (ops/export_spans.py); its earlier turns are left out as ``earlier_turn``.
+
     ``text`` is the prompt ids decoded with special tokens kept (so it shows the chat
     template the model saw) followed by the stored ``output_text`` (which the worker
     decoded without special tokens). It is for reading; ``input_ids`` and ``loss_mask``
@@ -214,21 +230,30 @@ class SpeculatorsBuilder:
     left out rather than filled with half the text.
     """
 
-    def __init__(self, ds: DatasetRow) -> None:
-        self.ds = ds
+    def __init__(self, ds: DatasetRow, latest: Mapping[str, int] | None = None,
+                 rows: str = "turn", trust_remote_code: bool = False) -> None:
+        self.ds, self.latest, self.rows = ds, latest or {}, rows
         self.decoder, self.text_note = _prompt_decoder(ds)
         self.sampling = dataset_sampling(ds)
+        self.masks = ConversationMasks(ds, trust_remote_code) if rows == "conversation" \
+            else None
 
     def build(self, row: ExportRow) -> dict[str, Any] | LeftOut:
         if row.input_ids is None:
             return LeftOut("missing_prompt", "no prompt row: its input ids are unknown")
+        earlier = earlier_turn(row, self.latest) if self.masks is not None else None
+        if earlier is not None:
+            return earlier
         if not row.output_ids:
             return LeftOut("empty_output", f"finish {row.finish_reason} with no tokens")
+        prompt_mask = self.prompt_mask(row)
+        if isinstance(prompt_mask, LeftOut):
+            return prompt_mask
         record: dict[str, Any] = {
             "id": row.sample_id,
             "primary_id": self.primary_id(row),
             "input_ids": row.input_ids + row.output_ids,
-            "loss_mask": [0] * len(row.input_ids) + [1] * len(row.output_ids),
+            "loss_mask": prompt_mask + [1] * len(row.output_ids),
         }
         if self.decoder is not None:
             prompt = self.decoder.decode(row.input_ids, skip_special_tokens=False)
@@ -244,6 +269,16 @@ class SpeculatorsBuilder:
             "sample_id": row.sample_id,
         }
         return record
+
+    def prompt_mask(self, row: ExportRow) -> list[int] | LeftOut:
+        """0 on the prompt, but for a conversation row's own earlier answers."""
+        if self.masks is None or not row.turn or row.turn == 1 or row.messages is None:
+            return [0] * len(row.input_ids or ())
+        try:
+            return self.masks.prompt_mask(row.messages, row.tools, row.input_ids or [],
+                                          row.template_kwargs)
+        except SpanError as exc:
+            return LeftOut("answers_unplaced", str(exc))
 
     def primary_id(self, row: ExportRow) -> str:
         """The line a row comes from, as speculators keys its conversations: the same for
@@ -287,7 +322,7 @@ AnyBuilder = SpecForgeBuilder | SpeculatorsBuilder | ParquetBuilder
 
 
 # What a row of each format may be, its default first; a parquet row is a stored result.
-_ROWS_OF = {"specforge": ROWS, "speculators": ("turn",), "parquet": ()}
+_ROWS_OF = {"specforge": ROWS, "speculators": ("turn", "conversation"), "parquet": ()}
 
 
 def rows_for(fmt: str, rows: str | None) -> str | None:
@@ -312,14 +347,15 @@ def conversation_ends(store: Store, ds: DatasetRow, upto_id: int) -> dict[str, i
 
 
 def make_builder(fmt: str, ds: DatasetRow, latest: Mapping[str, int] | None = None,
-                 rows: str | None = None) -> AnyBuilder:
-    """``latest``: each conversation's last stored turn, for SpecForge's one row per
-    conversation. ``rows``: ``--rows``, checked by ``rows_for``."""
+                 rows: str | None = None, trust_remote_code: bool = False) -> AnyBuilder:
+    """``latest``: each conversation's last stored turn, for one row per conversation.
+    ``rows``: ``--rows``, checked by ``rows_for``. ``trust_remote_code``: the dataset's
+    tokenizer may be loaded by running its code (speculators conversation rows)."""
     rows = rows_for(fmt, rows)
     if fmt == "specforge":
         return SpecForgeBuilder(ds, latest, rows or "conversation")
     if fmt == "speculators":
-        return SpeculatorsBuilder(ds)
+        return SpeculatorsBuilder(ds, latest, rows or "turn", trust_remote_code)
     if fmt == "parquet":
         return ParquetBuilder()
     raise ConfigError(f"unknown export format {fmt!r}; use one of {', '.join(FORMATS)}")

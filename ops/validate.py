@@ -77,7 +77,8 @@ class DatasetCheck:
 
     def __init__(self, store: Store, directory: Path, fmt: str, name: str,
                  entry: dict[str, Any], findings: Findings, allow_empty: bool = False,
-                 progress: ProgressBar | None = None, rows: str | None = None) -> None:
+                 progress: ProgressBar | None = None, rows: str | None = None,
+                 trust_remote_code: bool = False) -> None:
         self.store, self.fmt, self.name, self.entry = store, fmt, name, entry
         self.progress = progress or ProgressBar("validate", "rows", None, quiet=True)
         self.allow_empty = allow_empty
@@ -85,7 +86,8 @@ class DatasetCheck:
         self.path = directory / Path(str(entry.get("file", ""))).name
         self.upto = int(entry.get("upto_result_id", 0))
         ds = store.dataset(name)
-        self.builder = make_builder(fmt, ds, conversation_ends(store, ds, self.upto), rows)
+        self.builder = make_builder(fmt, ds, conversation_ends(store, ds, self.upto), rows,
+                                    trust_remote_code)
         self.findings = findings
         self.seen: set[str] = set()
         self.records = 0
@@ -251,7 +253,8 @@ def run_validate(args: argparse.Namespace, settings: Settings) -> int:
     progress = ProgressBar("validate", "rows", 0, quiet=args.quiet,
                            every_s=settings.progress_every_s)
     checks = [DatasetCheck(store, directory, fmt, name, doc["datasets"][name], findings,
-                           allow_empty, progress, doc.get("rows")) for name in names]
+                           allow_empty, progress, doc.get("rows"), settings.trust_remote_code)
+              for name in names]
     for check in checks:
         progress.grow(check.work())
     with progress:
