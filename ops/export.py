@@ -140,12 +140,13 @@ def export_dataset(
     stats = DatasetExport(ds.name, path.name, count_results(store, ds.name, upto), upto,
                           ds.reasoning_open, ds.order, ds.mixtures.to_json(),
                           ds.generations)
-    builder = make_builder(fmt, ds, conversation_ends(store, ds, upto), rows,
+    builder = make_builder(fmt, ds, conversation_ends(store, ds, upto, fmt), rows,
                            trust_remote_code)
     stats.notes.update(builder_notes(builder))
     progress.label(ds.name)
     with open_sink(fmt, path) as sink:
-        write_rows(iter_rows(store, ds.name, upto), builder, sink, stats, progress.advance)
+        rows_read = iter_rows(store, ds.name, upto, builder.answers)
+        write_rows(rows_read, builder, sink, stats, progress.advance)
         sink.commit()
     return stats
 

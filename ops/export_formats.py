@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
-from common.conversation import turn_id
+from common.conversation import TOOLS_DIFFER, turn_id
 from common.conversation_store import latest_turns
 from common.errors import ConfigError
 from common.kept import left_out, reasoning_closer, split_reasoning
@@ -49,6 +49,8 @@ REASONS = {
     "empty_output": "no output tokens: nothing to train on",
     "earlier_turn": "an earlier turn of a conversation: the row of its last stored turn "
                     "carries it",
+    "tool_calls_differ": "its tool calls were not the line's: they ended the conversation "
+                         "unparsed, so no row can carry them as calls",
     "answers_unplaced": "its prompt's own earlier answers cannot be placed exactly in its "
                         "ids (the template or tokenizer differs from the run's)",
 }
@@ -76,6 +78,8 @@ class LeftOut:
 
 
 class Builder(Protocol):
+    answers: bool  # reads each turn's own answer as stored (ExportRow.answer)
+
     def build(self, row: ExportRow) -> dict[str, Any] | LeftOut: ...
 
 
@@ -124,7 +128,16 @@ class SpecForgeBuilder:
     turn's prompt holds every earlier answer as the model's own, each with its
     ``reasoning_content``, and the turn's answer ends it. ``latest``: each conversation's
     last stored turn (``common.conversation_store.latest_turns``); its earlier turns are
-    left out as ``earlier_turn``."""
+    left out as ``earlier_turn``.
+
+    An answer that called tools carries them, as the server parsed them and its
+    successor's prompt stores them (``tool_calls``, under the line's call ids), with
+    ``content`` the text beside them; the ``tool`` messages follow it in the next prompt.
+    A turn whose calls were not the line's ended its conversation with its calls
+    unparsed: it is left out (``tool_calls_differ``) and its conversation's row is the
+    turn before (``latest`` from ``latest_turns(..., parsed_calls=True)``)."""
+
+    answers = True
 
     def __init__(self, ds: DatasetRow, latest: Mapping[str, int] | None = None,
                  rows: str = "conversation") -> None:
@@ -145,6 +158,8 @@ class SpecForgeBuilder:
         earlier = earlier_turn(row, self.latest) if self.rows == "conversation" else None
         if earlier is not None:
             return earlier
+        if (row.next_error or "").startswith(TOOLS_DIFFER):
+            return LeftOut("tool_calls_differ", row.next_error or "")
         # Not kept (common.kept): the samples the ``kept`` budget basis does not charge.
         reason = left_out(row.finish_reason, row.output_text, self.closer)
         if reason == "cut_at_budget":
@@ -152,11 +167,11 @@ class SpecForgeBuilder:
         if reason is not None:
             return LeftOut(reason, f"no {self.closer} in {row.completion_tokens} tokens "
                            f"(finish {row.finish_reason})")
-        reasoning, answer, _cut = split_reasoning(row.output_text, self.closer)
-        if not answer.strip():
+        final = self.answer(row)
+        if not final["content"].strip() and not final.get("tool_calls"):
             return LeftOut("empty_answer", f"{row.completion_tokens} tokens, empty answer")
         turns = [_prompt_turn(m) for m in row.messages]
-        turns.append({"role": "assistant", "content": answer, "reasoning_content": reasoning})
+        turns.append(final)
         record = {"id": row.sample_id, "status": "success", "conversations": turns}
         if row.tools is not None:
             record["tools"] = row.tools
@@ -166,6 +181,17 @@ class SpecForgeBuilder:
             return record if self.rows == "conversation" else self.turn_row(record, row)
         reason = "think_marker" if "thinking marker" in error else "prompt_breaks_checker"
         return LeftOut(reason, error)
+
+    def answer(self, row: ExportRow) -> dict[str, Any]:
+        """The turn's answer as the last message: split at the reasoning marker, or, when
+        it called tools, as its successor's prompt stores it, calls and all."""
+        stored = row.answer or {}
+        if stored.get("tool_calls"):
+            return {"role": "assistant", "content": str(stored.get("content") or ""),
+                    "reasoning_content": stored.get("reasoning_content") or "",
+                    "tool_calls": stored["tool_calls"]}
+        reasoning, answer, _cut = split_reasoning(row.output_text, self.closer)
+        return {"role": "assistant", "content": answer, "reasoning_content": reasoning}
 
     def turn_row(self, record: dict[str, Any], row: ExportRow) -> dict[str, Any]:
         """The row of this one assistant turn, as SpecForge's expansion writes it: earlier
@@ -230,6 +256,8 @@ class SpeculatorsBuilder:
     left out rather than filled with half the text.
     """
 
+    answers = False
+
     def __init__(self, ds: DatasetRow, latest: Mapping[str, int] | None = None,
                  rows: str = "turn", trust_remote_code: bool = False) -> None:
         self.ds, self.latest, self.rows = ds, latest or {}, rows
@@ -293,6 +321,8 @@ class ParquetBuilder:
     ``finish_detail`` is free-form JSON, so it is kept as JSON text.
     """
 
+    answers = False
+
     def build(self, row: ExportRow) -> dict[str, Any] | LeftOut:
         detail = row.finish_detail
         return {
@@ -341,9 +371,13 @@ def builder_notes(builder: AnyBuilder) -> dict[str, str]:
     return {"text": builder.text_note} if isinstance(builder, SpeculatorsBuilder) else {}
 
 
-def conversation_ends(store: Store, ds: DatasetRow, upto_id: int) -> dict[str, int] | None:
-    """Each conversation's last stored turn, for a dataset regenerated turn by turn."""
-    return latest_turns(store, ds.name, upto_id) if ds.turns == "all" else None
+def conversation_ends(store: Store, ds: DatasetRow, upto_id: int, fmt: str
+                      ) -> dict[str, int] | None:
+    """Each conversation's last stored turn, for a dataset regenerated turn by turn; for
+    SpecForge, the last whose tool calls, if any, are stored parsed."""
+    if ds.turns != "all":
+        return None
+    return latest_turns(store, ds.name, upto_id, parsed_calls=fmt == "specforge")
 
 
 def make_builder(fmt: str, ds: DatasetRow, latest: Mapping[str, int] | None = None,

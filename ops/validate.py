@@ -86,7 +86,7 @@ class DatasetCheck:
         self.path = directory / Path(str(entry.get("file", ""))).name
         self.upto = int(entry.get("upto_result_id", 0))
         ds = store.dataset(name)
-        self.builder = make_builder(fmt, ds, conversation_ends(store, ds, self.upto), rows,
+        self.builder = make_builder(fmt, ds, conversation_ends(store, ds, self.upto, fmt), rows,
                                     trust_remote_code)
         self.findings = findings
         self.seen: set[str] = set()
@@ -155,7 +155,8 @@ class DatasetCheck:
             pending.append((where, sid, record))
 
     def _against_sql(self, pending: Pending) -> None:
-        rows = lookup_rows(self.store, self.name, [sid for _, sid, _ in pending])
+        rows = lookup_rows(self.store, self.name, [sid for _, sid, _ in pending],
+                           self.builder.answers)
         for where, sid, record in pending:
             row = rows.get(sid)
             if row is None or row.id > self.upto:
@@ -184,7 +185,7 @@ class DatasetCheck:
     def _check_sql(self) -> tuple[int, Counter[str]]:
         results, left_out = 0, Counter[str]()
         self.progress.label(f"{self.name} SQL")
-        for row in iter_rows(self.store, self.name, self.upto):
+        for row in iter_rows(self.store, self.name, self.upto, self.builder.answers):
             results += 1
             self.progress.advance()
             if row.sample_id in self.seen:

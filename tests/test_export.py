@@ -513,11 +513,31 @@ def _conv(*turns: tuple[str, str]) -> dict[str, Any]:
     return {"id": "x", "status": "success", "conversations": msgs}
 
 
+_CALL = [{"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]
+
+
+def _calling(*turns: tuple[str, str]) -> dict[str, Any]:
+    """A row whose first assistant message called a tool."""
+    row = _conv(*turns)
+    next(m for m in row["conversations"] if m["role"] == "assistant")["tool_calls"] = _CALL
+    return row
+
+
 @pytest.mark.parametrize(("row", "error"), [
     (_conv(("system", "s"), ("user", "u"), ("assistant", "a")), None),
     (_conv(("user", "u"), ("assistant", "a"), ("user", "u2"), ("assistant", "b")), None),
     (_conv(("user", "u"), ("system", "s"), ("assistant", "a")), "unsupported role 'system'"),
-    (_conv(("user", "u"), ("tool", "t"), ("assistant", "a")), "unsupported role 'tool'"),
+    (_conv(("user", "u"), ("tool", "t"), ("assistant", "a")), "expected role 'assistant'"),
+    (_conv(("system", "s"), ("tool", "t"), ("user", "u")), "unsupported role 'tool'"),
+    (_conv(("user", "u"), ("assistant", "a"), ("tool", "t")), "expected role 'user'"),
+    # SpecForge's trainer reads tool turns: after an answer that called tools, as SQL has it.
+    (_calling(("user", "u"), ("assistant", ""), ("tool", "t"), ("tool", "t2"),
+              ("assistant", "a")), None),
+    (_calling(("user", "u"), ("assistant", "a"), ("user", "u2"), ("assistant", "b")), None),
+    (_calling(("user", "u"), ("assistant", ""), ("tool", " "), ("assistant", "a")),
+     "message 2 content must be a non-empty string"),
+    (_calling(("user", "u"), ("assistant", "a"), ("tool", "t"), ("user", "u2")),
+     "expected role 'assistant' or 'tool'"),
     (_conv(("user", "u"), ("user", "v"), ("assistant", "a")), "expected role 'assistant'"),
     (_conv(("assistant", "a"),), "expected role 'user'"),
     (_conv(("user", "u"), ("assistant", " ")), "content must be a non-empty string"),

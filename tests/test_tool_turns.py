@@ -169,6 +169,44 @@ def test_tool_turns_splice_the_lines_results_after_matching_calls(
     assert main(["status", "--json"]) == 0
     [row] = json.loads(capsys.readouterr().out)["datasets"]
     assert row["conversations"]["tools_differ"] == 3
+    _check_specforge_tool_calls(hf, by, tmp_path)
+
+
+def _exported(out: Path, *flags: str) -> dict[str, dict[str, Any]]:
+    assert main(["export", "--format", "specforge", *flags, "--out", str(out)]) == 0
+    assert main(["validate", str(out)]) == 0  # SpecForge's rules, tool turns included
+    return {r["id"]: r for r in map(json.loads, (out / "agents.specforge.jsonl")
+                                    .read_text().splitlines())}
+
+
+def _check_specforge_tool_calls(hf: Any, by: dict[str, list[Any]], tmp_path: Path) -> None:
+    """SpecForge rows: each answer that called tools carries the model's own calls under
+    the line's call ids, its text as ``content``, the line's tool results after it; a
+    turn whose calls were not the line's is left out, and said why."""
+    rows = _exported(tmp_path / "conversations")
+    assert set(rows) == {f"{line['id']}#turn4" for line in AGENTS}
+    for line in AGENTS:
+        outputs = [list(r.output_ids) for r in by[line["id"]]]
+        originals = [m.get("tool_calls") or [] for m in line["messages"]
+                     if m["role"] == "assistant"]
+        want = [_own(hf, out, calls) for out, calls in zip(outputs, originals, strict=True)]
+        got = [m for m in rows[f"{line['id']}#turn4"]["conversations"]
+               if m["role"] == "assistant"]
+        assert [m.get("tool_calls") for m in got] == [w.get("tool_calls") for w in want]
+        assert [m["content"] for m in got] == [w["content"] for w in want]
+        roles = [m["role"] for m in rows[f"{line['id']}#turn4"]["conversations"]]
+        assert roles == ["user", "assistant", "tool", "assistant", "user", "assistant",
+                         "tool", "tool", "assistant"]
+    manifest = json.loads((tmp_path / "conversations" / "manifest.datagen").read_text())
+    assert manifest["datasets"]["agents"]["left_out"]["tool_calls_differ"] == len(DIFFERING)
+    # A row per turn: a turn that called tools ends its row with its own calls.
+    turns = _exported(tmp_path / "turns", "--rows", "turn")
+    assert set(turns) == {f"{line['id']}#turn{k}" for line in AGENTS for k in range(4)}
+    for line in AGENTS:
+        last = turns[f"{line['id']}#turn2"]["conversations"][-1]
+        assert [c["function"]["name"] for c in last["tool_calls"]] == ["get_weather", "search"]
+        assert [c["id"] for c in last["tool_calls"]] == [f"x{line['id'][1:]}",
+                                                         f"y{line['id'][1:]}"]
 
 
 def test_tool_calls_without_a_parser_are_refused_under_turns_all(
