@@ -20,6 +20,7 @@ from common.errors import ConfigError
 from common.kept import left_out, reasoning_closer, split_reasoning
 from common.store import DatasetRow, Store
 from common.tokenizer_files import code_class
+from ops.export_ids import RowIds
 from ops.export_rows import ExportRow
 from ops.export_spans import ConversationMasks, SpanError
 from ops.specforge_check import row_error
@@ -140,8 +141,9 @@ class SpecForgeBuilder:
     answers = True
 
     def __init__(self, ds: DatasetRow, latest: Mapping[str, int] | None = None,
-                 rows: str = "conversation") -> None:
+                 rows: str = "conversation", ids: RowIds | None = None) -> None:
         self.latest = latest or {}
+        self.ids = ids or RowIds(ds)
         self.rows = rows
         self.sampling = dataset_sampling(ds)
         self.closer = reasoning_close(ds)
@@ -172,7 +174,9 @@ class SpecForgeBuilder:
             return LeftOut("empty_answer", f"{row.completion_tokens} tokens, empty answer")
         turns = [_prompt_turn(m) for m in row.messages]
         turns.append(final)
-        record = {"id": row.sample_id, "status": "success", "conversations": turns}
+        unit = row.conversation or row.sample_id
+        record = {"id": self.ids.written(unit, row.sample_id), "status": "success",
+                  "conversations": turns}
         if row.tools is not None:
             record["tools"] = row.tools
         record.update(sent(row, self.sampling, "sampling"))
@@ -201,7 +205,8 @@ class SpecForgeBuilder:
         history = [{**m, "reasoning_content": ""} if m["role"] == "assistant" else m
                    for m in turns[:-1]]
         index = sum(m["role"] == "assistant" for m in history)
-        source = row.conversation or row.sample_id
+        unit = row.conversation or row.sample_id
+        source = self.ids.written(unit, unit)
         out = {"id": f"{source}{TURN_ROW}{index}", "source_id": source,
                "assistant_turn_index": index, "status": "success",
                "conversations": [*history, turns[-1]]}
@@ -212,10 +217,12 @@ class SpecForgeBuilder:
     def sample_id_of(self, record: dict[str, Any]) -> str | None:
         """The stored sample a row of this builder was made from."""
         if self.rows == "conversation":
-            return _string(record.get("id"))
+            written = _string(record.get("id"))
+            return None if written is None else self.ids.stored(written)
         source, index = _string(record.get("source_id")), record.get("assistant_turn_index")
         if source is None or not isinstance(index, int) or isinstance(index, bool):
             return None
+        source = self.ids.stored(source)
         # A conversation's turn i (from 1) has the model's own i - 1 answers before it; a
         # line of a single turn is a prompt of its own, under its own id.
         return turn_id(source, index + 1) if source in self.latest else source
@@ -259,8 +266,10 @@ class SpeculatorsBuilder:
     answers = False
 
     def __init__(self, ds: DatasetRow, latest: Mapping[str, int] | None = None,
-                 rows: str = "turn", trust_remote_code: bool = False) -> None:
+                 rows: str = "turn", trust_remote_code: bool = False,
+                 ids: RowIds | None = None) -> None:
         self.ds, self.latest, self.rows = ds, latest or {}, rows
+        self.ids = ids or RowIds(ds)
         self.decoder, self.text_note = _prompt_decoder(ds)
         self.sampling = dataset_sampling(ds)
         self.masks = ConversationMasks(ds, trust_remote_code) if rows == "conversation" \
@@ -277,9 +286,10 @@ class SpeculatorsBuilder:
         prompt_mask = self.prompt_mask(row)
         if isinstance(prompt_mask, LeftOut):
             return prompt_mask
+        unit = row.conversation or row.sample_id
         record: dict[str, Any] = {
-            "id": row.sample_id,
-            "primary_id": self.primary_id(row),
+            "id": self.ids.written(unit, row.sample_id),
+            "primary_id": self.ids.written(unit, self.primary_id(row)),
             "input_ids": row.input_ids + row.output_ids,
             "loss_mask": prompt_mask + [1] * len(row.output_ids),
         }
@@ -307,6 +317,11 @@ class SpeculatorsBuilder:
                                           row.template_kwargs)
         except SpanError as exc:
             return LeftOut("answers_unplaced", str(exc))
+
+    def sample_id_of(self, record: dict[str, Any]) -> str | None:
+        """The stored sample a row of this builder was made from."""
+        written = _string(record.get("id"))
+        return None if written is None else self.ids.stored(written)
 
     def primary_id(self, row: ExportRow) -> str:
         """The line a row comes from, as speculators keys its conversations: the same for
@@ -381,15 +396,18 @@ def conversation_ends(store: Store, ds: DatasetRow, upto_id: int, fmt: str
 
 
 def make_builder(fmt: str, ds: DatasetRow, latest: Mapping[str, int] | None = None,
-                 rows: str | None = None, trust_remote_code: bool = False) -> AnyBuilder:
+                 rows: str | None = None, trust_remote_code: bool = False,
+                 shared: frozenset[str] = frozenset()) -> AnyBuilder:
     """``latest``: each conversation's last stored turn, for one row per conversation.
     ``rows``: ``--rows``, checked by ``rows_for``. ``trust_remote_code``: the dataset's
-    tokenizer may be loaded by running its code (speculators conversation rows)."""
+    tokenizer may be loaded by running its code (speculators conversation rows).
+    ``shared``: the lines other datasets of the export hold too (ops/export_ids.py)."""
     rows = rows_for(fmt, rows)
     if fmt == "specforge":
-        return SpecForgeBuilder(ds, latest, rows or "conversation")
+        return SpecForgeBuilder(ds, latest, rows or "conversation", RowIds(ds, shared))
     if fmt == "speculators":
-        return SpeculatorsBuilder(ds, latest, rows or "turn", trust_remote_code)
+        return SpeculatorsBuilder(ds, latest, rows or "turn", trust_remote_code,
+                                  RowIds(ds, shared))
     if fmt == "parquet":
         return ParquetBuilder()
     raise ConfigError(f"unknown export format {fmt!r}; use one of {', '.join(FORMATS)}")

@@ -7,7 +7,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
-from ops.export_formats import SpecForgeBuilder
+from ops.export_formats import SpecForgeBuilder, SpeculatorsBuilder
 from ops.specforge_check import row_error
 
 MAX_SHOWN = 20
@@ -33,8 +33,9 @@ class Findings:
 
 
 def record_id(fmt: str, builder: Any, record: dict[str, Any]) -> str | None:
-    """The stored sample a record names (a SpecForge turn row: by its source and turn)."""
-    if isinstance(builder, SpecForgeBuilder):
+    """The stored sample a record names (a SpecForge turn row: by its source and turn;
+    an id the export prefixed with its dataset: without it)."""
+    if isinstance(builder, SpecForgeBuilder | SpeculatorsBuilder):
         return builder.sample_id_of(record)
     sid = record.get("sample_id" if fmt == "parquet" else "id")
     return sid if isinstance(sid, str) else None
