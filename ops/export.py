@@ -263,7 +263,7 @@ def run_export(args: argparse.Namespace, settings: Settings) -> int:
     doc = manifest(args.format, settings.database_url, stats, args.allow_empty, args.rows,
                    shared)
     write_manifest(out, doc)
-    write_card(out, store, args.format, doc["created_at"], datasets, stats)
+    write_card(out, store, args.format, doc["created_at"], datasets, stats, len(shared))
     print("\n".join(summary_lines(args.format, out, stats)))
     empty = empty_files(stats)
     if empty and not args.allow_empty:

@@ -74,6 +74,8 @@ def test_datasets_from_one_file_get_ids_unique_across_the_export(
     assert {r["id"].partition("#")[0] for r in rows["c"]} == {f"o{i}" for i in range(3)}
     manifest = json.loads((out / "manifest.datagen").read_text())
     assert manifest["shared_lines"] == len(LINES)
+    assert f"the {len(LINES)} lines that more than one dataset holds" in \
+        (out / "README.md").read_text()
     assert main(["validate", str(out)]) == 0
     assert main(["validate", str(out), "--dataset", "b"]) == 0  # b checked as exported
 
