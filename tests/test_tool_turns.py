@@ -170,6 +170,7 @@ def test_tool_turns_splice_the_lines_results_after_matching_calls(
     [row] = json.loads(capsys.readouterr().out)["datasets"]
     assert row["conversations"]["tools_differ"] == 3
     _check_specforge_tool_calls(hf, by, tmp_path)
+    _check_speculators_tool_conversations(hf, by, tmp_path / "speculators")
 
 
 def _exported(out: Path, *flags: str) -> dict[str, dict[str, Any]]:
@@ -260,3 +261,30 @@ def test_the_agentic_example_runs_turn_by_turn(
     assert_invariants(store, Ledger(redis_client), ["tools"])
     counts = conversation_counts(store, "tools", closed=False)
     assert (counts.total, counts.complete, counts.tools_differ) == (10, 8, 2)
+
+
+def _check_speculators_tool_conversations(hf: Any, by: dict[str, list[Any]], out: Path) -> None:
+    """speculators ``--rows conversation`` of tool conversations: what is masked 1 in the
+    prompt is the model's own text and reasoning, never a call as the template renders
+    it nor a tool result; validate agrees with SQL."""
+    assert main(["export", "--format", "speculators", "--rows", "conversation",
+                 "--out", str(out)]) == 0
+    assert main(["validate", str(out)]) == 0
+    rows = {r["id"]: r for r in map(json.loads, (out / "agents.speculators.jsonl")
+                                    .read_text().splitlines())}
+    for line in AGENTS:
+        stored = by[line["id"]]
+        row = rows[f"{line['id']}#turn4"]
+        prompt = list(stored[-1].input_ids)
+        mask = row["loss_mask"][: len(prompt)]
+        own = [_own(hf, list(r.output_ids), []) for r in stored[:-1]]
+        pieces = [p for o in own for p in (o["reasoning_content"], o["content"]) if p]
+        runs, current = [], []
+        for token, bit in [*zip(prompt, mask, strict=True), (0, 0)]:
+            if bit:
+                current.append(token)
+            elif current:
+                runs.append(hf.decode(current, skip_special_tokens=False))
+                current = []
+        assert runs and all(any(run in p for p in pieces) for run in runs), runs
+        assert not any("RESULT-" in run or "<|call|>" in run for run in runs)
