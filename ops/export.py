@@ -37,10 +37,7 @@ from ops.argtypes import add_quiet_flag
 from ops.export_card import check_card_free, write_card
 from ops.export_formats import (
     FORMATS,
-    REASONS,
     ROWS,
-    Builder,
-    LeftOut,
     builder_notes,
     conversation_ends,
     make_builder,
@@ -49,6 +46,7 @@ from ops.export_formats import (
 )
 from ops.export_ids import shared_lines
 from ops.export_io import LEGACY_MANIFEST, MANIFEST, Sink, open_sink
+from ops.export_record import REASONS, Builder, LeftOut
 from ops.export_rows import ExportRow, count_results, iter_rows, result_counts, snapshot_id
 
 MANIFEST_VERSION = 1

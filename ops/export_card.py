@@ -25,8 +25,8 @@ from common.errors import ConfigError
 from common.failures import STOPPED
 from common.schema import results
 from common.store import DatasetRow, Store
-from ops.export_formats import REASONS
 from ops.export_io import MANIFEST
+from ops.export_record import REASONS
 from ops.progress import prompt_counts
 
 if TYPE_CHECKING:

@@ -42,9 +42,10 @@ from common.services import safe_url
 from common.settings import Settings
 from common.store import Store
 from ops.argtypes import add_quiet_flag
-from ops.export_formats import FORMATS, LeftOut, conversation_ends, make_builder
+from ops.export_formats import FORMATS, conversation_ends, make_builder
 from ops.export_ids import shared_lines
 from ops.export_io import LEGACY_MANIFEST, MANIFEST, read_records
+from ops.export_record import LeftOut
 from ops.export_rows import LOOKUP_CHUNK, count_results, iter_rows, lookup_rows, snapshot_id
 from ops.validate_checks import MAX_SHOWN, Findings, describe_diff, record_id, shape_error
 

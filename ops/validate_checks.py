@@ -7,7 +7,8 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
-from ops.export_formats import SpecForgeBuilder, SpeculatorsBuilder
+from ops.export_specforge import SpecForgeBuilder
+from ops.export_speculators import SpeculatorsBuilder
 from ops.specforge_check import row_error
 
 MAX_SHOWN = 20
