@@ -1,7 +1,10 @@
-"""Worker CPU per tool-calling turn against a plain turn (``--turns all``).
+"""The producer's rate and worker CPU per turn on tool-calling conversations against
+plain ones.
 
 Both sets are 10-turn conversations on the remote-code test tokenizer (the one whose
-format the simulator's tool calls and ``/parse_function_call`` speak), run through one
+format the simulator's tool calls and ``/parse_function_call`` speak, a tokenizer class
+that is Python code), first enqueued alone (lines/s of ``datagen enqueue``, ``--turns
+last`` and ``--turns all``, the tokenizer loaded beforehand), then run through one
 worker process against the simulator:
 
 * plain: user and assistant turns alternating;
@@ -19,8 +22,8 @@ import json
 import statistics
 from pathlib import Path
 
-from bench.harness import WORKDIR
-from bench.turns import TURNS, WorkerLeg, pct, turn_args, worker_leg
+from bench.harness import WORKDIR, bench_settings, fresh_db, fresh_redis
+from bench.turns import TURNS, WorkerLeg, enqueue_turns, pct, turn_args, worker_leg
 from ops.build_remote_tokenizer import write as write_tokenizer
 
 SEARCH = {"type": "function", "function": {"name": "search", "parameters": {
@@ -65,15 +68,33 @@ def _line(kind: str, name: str, leg: WorkerLeg) -> str:
             f"{1000 * pct(leg.gaps, 0.99):.1f} ms")
 
 
+def producer_rate(kind: str, path: Path, turns: str, tokenizer: Path,
+                  parser: str | None) -> float:
+    """Lines/s of one file enqueued alone on the remote-code tokenizer."""
+    fresh_redis()
+    settings = bench_settings(fresh_db(kind, "tool_producer"), "http://127.0.0.1:1")
+    settings = settings.replace(tokenizer=str(tokenizer), trust_remote_code=True)
+    return enqueue_turns(settings, path, turns, parser=parser)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = turn_args("python -m bench.tool_turns", __doc__, argv)
     tokenizer = WORKDIR / "tmp" / "remote_tokenizer"
     write_tokenizer(tokenizer)
     conversations = 12 if args.quick else 48
+    lines = 2000 if args.quick else 10000
     folder = WORKDIR / "tmp" / "tool_turns"
     plain = _write(folder, "plain", [_plain(i) for i in range(conversations)])
     agents = _write(folder, "agents", [_agent(i) for i in range(conversations)])
+    many_plain = _write(folder, "many_plain", [_plain(i) for i in range(lines)])
+    many_agents = _write(folder, "many_agents", [_agent(i) for i in range(lines)])
     for kind in args.dbs.split(","):
+        for turns in ("last", "all"):
+            chats = producer_rate(kind, many_plain, turns, tokenizer, None)
+            tooled = producer_rate(kind, many_agents, turns, tokenizer, "datagen")
+            print(f"[{kind}] producer, {lines:,} lines of {TURNS}-turn conversations on the "
+                  f"remote-code tokenizer, --turns {turns}: plain chats {chats:,.0f} lines/s, "
+                  f"tool-using agents {tooled:,.0f} lines/s")
         flat = worker_leg(kind, "plain", plain, "all", 64, code_tokenizer=tokenizer)
         tools = worker_leg(kind, "agents", agents, "all", 64, code_tokenizer=tokenizer,
                            parser="datagen")

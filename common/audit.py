@@ -16,6 +16,7 @@ from typing import Any
 
 import redis
 
+from common.conversation_store import queued_later_turns
 from common.keys import KOMBU_UNACKED, dataset_keys, dataset_of_queue
 from common.ledger import Ledger
 from common.messages import sample_of, unacked_entry
@@ -78,6 +79,9 @@ def requeue_lost(
         queued = store.sample_ids(ds.name, "queued", updated_before=cutoff)
         lost = not_in(queued, queued_in_redis(client, ds.name)) if queued else []
         if lost:
-            publisher.publish_all(ds.name, ds.stamp, lost)
+            # A conversation's later turns go ahead of new prompts, as when first sent.
+            later = set(queued_later_turns(store, ds.name)) if ds.turns == "all" else set()
+            publisher.publish_all(ds.name, ds.stamp, [s for s in lost if s in later], True)
+            publisher.publish_all(ds.name, ds.stamp, [s for s in lost if s not in later])
             requeued[ds.name] = len(lost)
     return requeued

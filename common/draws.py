@@ -21,6 +21,7 @@ template argument.
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -53,6 +54,11 @@ def draw(seed: int, draw_id: str, key: str, choices: Mixture) -> Any:
     return choices[-1].value  # float rounding at the very top of the range
 
 
+def draw_key(drawn: Mapping[str, Any]) -> str:
+    """A draw's canonical text: what a draw's renderer and reasoning opener are kept by."""
+    return json.dumps(drawn, sort_keys=True)
+
+
 def draw_id(sample_id: str, conversation: str | None) -> str:
     """What a prompt's draw is keyed by: its conversation's id, else its own."""
     return conversation if conversation is not None else sample_id
@@ -82,6 +88,15 @@ class Mixtures:
     def template(self, seed: int, ident: str) -> dict[str, Any]:
         """The chat template arguments drawn for ``ident`` (a draw id)."""
         return {k: draw(seed, ident, k, self.choices[k]) for k in self.template_keys}
+
+    def template_draws(self) -> list[dict[str, Any]]:
+        """Every combination of template arguments a sample may be drawn; none without
+        template mixtures."""
+        keys = self.template_keys
+        if not keys:
+            return []
+        values = [[c.value for c in self.choices[k]] for k in keys]
+        return [dict(zip(keys, combo, strict=True)) for combo in itertools.product(*values)]
 
     def to_json(self) -> dict[str, list[dict[str, Any]]] | None:
         """As the ``datasets.mixtures`` column holds it; None without any."""

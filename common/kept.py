@@ -4,8 +4,12 @@ basis (what a worker charges) and the SpecForge export (what it leaves out).
 A sample is *not kept* when it holds no complete answer a trainer can use:
 
   cut_at_budget        the ``exact`` policy cut it to fill the budget (finish "budget");
-  cut_while_reasoning  the dataset's template opened a reasoning block and the output
-                       never closed it (typically finish "length"): no answer at all.
+  cut_while_reasoning  the sample's prompt opened a reasoning block and the output never
+                       closed it (typically finish "length"): no answer at all.
+
+Whether a prompt opened one is the template's doing, with the arguments that sample was
+rendered with: a drawn ``thinking=false`` may render a prompt that opens none where the
+dataset's other draws do (``sample_closer``).
 
 Failed and aborted samples are never stored, so they are never kept either. The checks
 are on the output text as stored, the text the exports read.
@@ -13,7 +17,14 @@ are on the output text as stored, the text the exports read.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
+
+from common.draws import draw_key
 from common.errors import ConfigError
+
+if TYPE_CHECKING:
+    from common.store import DatasetRow
 
 # Reasoning openers a template may leave open at the end of the generation prompt, with
 # the marker the model emits to close them.
@@ -33,6 +44,17 @@ def reasoning_closer(opener: str | None) -> str | None:
     if closer is None:
         raise ConfigError(f"reasoning opener {opener!r} has no known closer")
     return closer
+
+
+def sample_closer(ds: DatasetRow, drawn: Mapping[str, Any] | None) -> str | None:
+    """The marker closing the reasoning block of a sample of ``ds`` whose prompt was rendered
+    with the template arguments ``drawn`` for it (common/draws.py): the opener the producer
+    recorded for that draw, else the dataset's (a sample without a draw, or a dataset
+    enqueued before openers were recorded per draw)."""
+    opener = ds.reasoning_open
+    if drawn and ds.reasoning_opens is not None:
+        opener = ds.reasoning_opens.get(draw_key(drawn), opener)
+    return reasoning_closer(opener)
 
 
 def split_reasoning(text: str, closer: str | None) -> tuple[str, str, bool]:

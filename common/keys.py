@@ -25,10 +25,11 @@ No other module spells a key string; tests import these functions too.
         used_at_close  ``used`` when the close happened
     datagen:ds:{name}:charged             hash    Lua only: sample_id -> tokens    none
     datagen:ds:{name}:inflight            hash    Lua only: rid -> expected tokens none
-    datagen:ds:{name}:started             set     workers: rids of a drain         none
-                                                  dataset's requests the server has
-                                                  started (first token streamed);
-                                                  removed when the request ends
+    datagen:ds:{name}:started             set     workers add, Lua removes: rids   none
+                                                  of a drain dataset's requests the
+                                                  server has started (first token
+                                                  streamed); removed with the rid's
+                                                  inflight entry (charge, release)
     datagen:workers                       zset    workers: name -> last heartbeat none
     datagen:worker:{name}:tags            set     that worker: delivery tags of   none
                                                   the messages it holds unacked
@@ -122,7 +123,7 @@ class DatasetKeys:
     @property
     def script_keys(self) -> list[str]:
         """KEYS of the ledger's scripts, in the order common/ledger_scripts.py reads them."""
-        return [self.ledger, self.charged, self.inflight, *self.queue_lists]
+        return [self.ledger, self.charged, self.inflight, *self.queue_lists, self.started]
 
 
 def dataset_keys(name: str) -> DatasetKeys:

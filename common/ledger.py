@@ -257,9 +257,6 @@ class Ledger:
         it run (common/closing.py)."""
         self.redis.sadd(dataset_keys(name).started, rid)
 
-    def forget_started(self, name: str, rid: str) -> None:
-        self.redis.srem(dataset_keys(name).started, rid)
-
     def queued_rids(self, name: str) -> list[str]:
         """Requests in flight the server has not started: admitted, sent or about to be,
         no token yet (read at a drain close; a request may start just after)."""

@@ -5,12 +5,14 @@ script runs atomically in Redis, so however many workers race, a sample is charg
 and a dataset is closed once, by the charge that crosses its budget.
 
 Shared layout: KEYS[1] ledger hash, KEYS[2] charged hash, KEYS[3] inflight hash,
-KEYS[4..7] the queue's kombu priority lists.
+KEYS[4..7] the queue's kombu priority lists, KEYS[8] the started set (rids of a drain
+dataset whose first token came). A script that takes a rid out of the inflight hash takes
+it out of the started set too, in the same step: no command of its own per request.
 """
 
 from __future__ import annotations
 
-KEYS_PER_DATASET = 7
+KEYS_PER_DATASET = 8
 
 # Closing = state, timestamps and a purge of every priority list of the queue, in the
 # same atomic step as the decision. Returns the number of messages purged.
@@ -31,7 +33,7 @@ local function num(field)
 end
 """
 
-# -- KEYS: ledger, charged, inflight, q0, q3, q6, q9
+# -- KEYS: ledger, charged, inflight, q0, q3, q6, q9, started
 # -- ARGV: sample_id, rid, prompt_tokens, completion_tokens, kept, now
 # Returns {status, kept_completion_tokens, used, crossed, purged}
 #   status 1 = charged, 2 = duplicate (already charged: nothing changed),
@@ -50,6 +52,7 @@ local expected = tonumber(redis.call('HGET', KEYS[3], rid) or '0')
 if redis.call('HDEL', KEYS[3], rid) == 1 then
   redis.call('HINCRBY', KEYS[1], 'reserved', -expected)
 end
+redis.call('SREM', KEYS[8], rid)
 local used = num('used')
 local prev = redis.call('HGET', KEYS[2], sid)
 if prev then
@@ -84,7 +87,7 @@ return {1, completion, used, crossed, purged}
 """
 )
 
-# -- KEYS: ledger, charged, inflight, q0, q3, q6, q9
+# -- KEYS: ledger, charged, inflight, q0, q3, q6, q9, started
 # -- ARGV: sample_id, cost
 # Re-prices a sample charged before a crash whose stored result turned out different.
 RECHARGE = """
@@ -95,7 +98,7 @@ redis.call('HINCRBY', KEYS[1], 'sumsq', cost * cost - prev * prev)
 return redis.call('HINCRBY', KEYS[1], 'used', cost - prev)
 """
 
-# -- KEYS: ledger, charged, inflight, q0, q3, q6, q9
+# -- KEYS: ledger, charged, inflight, q0, q3, q6, q9, started
 # -- ARGV: rid, max_new_tokens, default_expected_tokens
 # Returns {status, expected}: 1 = admitted (rid now in flight), 0 = closed,
 #   2 = wait: used + the expected output of requests in flight already reach the budget,
@@ -132,7 +135,7 @@ return {1, expected}
 """
 )
 
-# -- KEYS: ledger, charged, inflight, q0, q3, q6, q9
+# -- KEYS: ledger, charged, inflight, q0, q3, q6, q9, started
 # -- ARGV: rid
 # A request that ends without a charge (failure, retry, abort) frees its reservation.
 RELEASE = """
@@ -140,10 +143,11 @@ local expected = tonumber(redis.call('HGET', KEYS[3], ARGV[1]) or '0')
 if redis.call('HDEL', KEYS[3], ARGV[1]) == 1 then
   redis.call('HINCRBY', KEYS[1], 'reserved', -expected)
 end
+redis.call('SREM', KEYS[8], ARGV[1])
 return expected
 """
 
-# -- KEYS: ledger, charged, inflight, q0, q3, q6, q9
+# -- KEYS: ledger, charged, inflight, q0, q3, q6, q9, started
 # -- ARGV: budget, basis, policy, prompt_weight, kept_only, now
 # Sets the dataset's terms; a dataset already at or over its new budget closes at once.
 # prompt_weight (1 or 0: whether prompt tokens count) and kept_only (1 or 0: whether only
@@ -166,7 +170,7 @@ return {0, 0, used}
 """
 )
 
-# -- KEYS: ledger, charged, inflight, q0, q3, q6, q9
+# -- KEYS: ledger, charged, inflight, q0, q3, q6, q9, started
 # -- ARGV: now, reason
 # Returns {closed_now, purged}; closing a closed dataset purges again but keeps its record.
 CLOSE = (
@@ -182,7 +186,7 @@ return {1, close(ARGV[1], ARGV[2])}
 """
 )
 
-# -- KEYS: ledger, charged, inflight, q0, q3, q6, q9
+# -- KEYS: ledger, charged, inflight, q0, q3, q6, q9, started
 # -- ARGV: budget
 # Reopens a closed dataset with a higher budget.
 REOPEN = """
@@ -191,7 +195,7 @@ redis.call('HDEL', KEYS[1], 'closed_at', 'close_reason', 'used_at_close')
 return 1
 """
 
-# -- KEYS: ledger, charged, inflight, q0, q3, q6, q9
+# -- KEYS: ledger, charged, inflight, q0, q3, q6, q9, started
 # -- ARGV: sample_id_1, cost_1, sample_id_2, cost_2, ...
 # Adds stored results the ledger does not know (SQL is the source of truth); charges it
 # already holds are left alone, so this is safe while workers run. Returns tokens added.
@@ -213,7 +217,7 @@ return added
 
 # The calls of one worker group in a single EVALSHA. The script's body becomes a function
 # whose parameters shadow KEYS and ARGV, so it runs unchanged, once per call, in order.
-# KEYS: the 7 keys of each dataset of the batch, one dataset after another.
+# KEYS: the 8 keys of each dataset of the batch, one dataset after another.
 # ARGV: width (arguments a call takes), then per call its dataset's 1-based position in
 #   KEYS followed by its arguments. Returns the calls' replies in order.
 # One command instead of one per call: the worker packs and parses one, and Redis looks

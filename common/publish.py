@@ -62,9 +62,10 @@ class Publisher:
                 "workers' sweep do it): it publishes each queued prompt Redis does not hold."
             ) from exc
 
-    def publish_all(self, dataset: str, stamp: str, sample_ids: Sequence[str]) -> None:
+    def publish_all(self, dataset: str, stamp: str, sample_ids: Sequence[str],
+                    ahead: bool = False) -> None:
         for start in range(0, len(sample_ids), BATCH_SIZE):
-            self.publish(dataset, stamp, sample_ids[start : start + BATCH_SIZE])
+            self.publish(dataset, stamp, sample_ids[start : start + BATCH_SIZE], ahead)
 
     def announce(self, datasets: Sequence[str]) -> None:
         """Ask running workers to consume these queues (fire and forget, no replies)."""

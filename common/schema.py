@@ -4,7 +4,8 @@ Tables:
   meta      facts about the database itself, one row each: today its ``store_id``, which
             the Redis holding its queues and ledgers records (common/pairing.py).
   datasets  one row per dataset: its budget terms, sampling and sampling mixtures
-            (common/draws.py), tokenizer, publishing order (``sample_order`` and ``seed``,
+            (common/draws.py), tokenizer and reasoning opener (each template draw's, when
+            it mixes template arguments), publishing order (``sample_order`` and ``seed``,
             common/order.py), generations per prompt, and its close.
   prompts   one row per (dataset, sample_id): its state (queued, done, failed, skipped),
             attempts and last error, its length and token allowance, and its ``rank``
@@ -60,7 +61,11 @@ datasets = sa.Table(
     sa.Column("max_seq_len", sa.Integer, nullable=False),
     sa.Column("tokenizer", sa.String(500), nullable=False),
     sa.Column("template_hash", sa.String(64), nullable=False),
+    # The reasoning opener the template leaves open at the end of its generation prompt
+    # (common/kept.py), NULL for none; with template mixtures, each draw's, by its
+    # canonical text (common/draws.py ``draw_key``): a drawn argument may turn it off.
     sa.Column("reasoning_open", sa.String(32)),
+    sa.Column("reasoning_opens", sa.JSON(none_as_null=True)),
     # "all": every assistant turn regenerated, one prompt per turn; NULL or "last": the
     # last turn only, after the line's own earlier answers.
     sa.Column("turns", sa.String(8)),
@@ -143,6 +148,7 @@ ADDED_COLUMNS = (
     ("results", "sampling"),
     ("datasets", "tool_call_parser"),
     ("results", "kept"),
+    ("datasets", "reasoning_opens"),
 )
 # Indexes on added columns, created with them (create_all makes them for a new table only).
 ADDED_INDEXES = ("ix_prompt_inputs_conversation",)

@@ -40,13 +40,18 @@ def is_event_stream(resp: requests.Response) -> bool:
 
 
 def _events(resp: requests.Response, server: str) -> Iterator[dict[str, Any]]:
+    """The stream's events, read to the end of the body (past ``[DONE]``): a response read
+    whole gives its connection back to the session's pool, one left unread is closed, and
+    every request would open a new connection."""
     try:
+        done = False
         for line in resp.iter_lines():
-            if not line.startswith(_DATA):
+            if done or not line.startswith(_DATA):
                 continue
             data = line[len(_DATA):].strip()
             if data == _DONE:
-                return
+                done = True
+                continue
             yield json.loads(data)
     except ValueError as exc:
         raise TransientError(f"{server}: a stream event is not JSON", server=server) from exc

@@ -44,6 +44,9 @@ class DatasetRow:
     generations: int = 1  # samples of each prompt, ``<id>_gen<k>`` when more than one
     # SGLang's parser name for the model's tool calls (``--tool-call-parser``), or None.
     tool_call_parser: str | None = None
+    # The reasoning opener of each template draw, by ``draw_key`` (common/kept.py
+    # ``sample_closer``); None without template mixtures.
+    reasoning_opens: dict[str, str | None] | None = None
 
 
 @dataclass(frozen=True)
@@ -89,6 +92,7 @@ def _dataset_row(r: sa.Row[Any]) -> DatasetRow:
         mixtures=Mixtures.from_json(r.mixtures),
         generations=r.generations or 1,
         tool_call_parser=r.tool_call_parser,
+        reasoning_opens=r.reasoning_opens,
     )
 
 
@@ -232,6 +236,7 @@ class Store:
             "mixtures": row.mixtures.to_json(),
             "generations": row.generations if row.generations > 1 else None,
             "tool_call_parser": row.tool_call_parser,
+            "reasoning_opens": row.reasoning_opens,
             "updated_at": utcnow(),
         }
         with self.engine.begin() as conn:

@@ -84,6 +84,8 @@ class DatasetExport:
     # Its sampling mixtures (common/draws.py, null for none) and samples of each prompt.
     mixtures: dict[str, list[dict[str, Any]]] | None = None
     generations: int = 1
+    # The reasoning opener of each template draw (common/kept.py), null without any.
+    reasoning_opens: dict[str, str | None] | None = None
     exported: int = 0
     left_out: Counter[str] = field(default_factory=Counter)
     examples: list[dict[str, str]] = field(default_factory=list)
@@ -106,6 +108,7 @@ class DatasetExport:
             "left_out_examples": self.examples,
             "upto_result_id": self.upto_result_id,
             "reasoning_open": self.reasoning_open,
+            "reasoning_opens": self.reasoning_opens,
             "order": self.order.kind,
             "seed": self.order.seed,
             "mixtures": self.mixtures,
@@ -148,7 +151,7 @@ def export_dataset(store: Store, ds: DatasetRow, choices: Choices, out: Path,
     path = output_file(out, ds.name, fmt)
     stats = DatasetExport(ds.name, path.name, count_results(store, ds.name, upto), upto,
                           ds.reasoning_open, ds.order, ds.mixtures.to_json(),
-                          ds.generations)
+                          ds.generations, ds.reasoning_opens)
     builder = make_builder(fmt, ds, conversation_ends(store, ds, upto, fmt), choices.rows,
                            choices.trust_remote_code, choices.shared)
     stats.notes.update(builder_notes(builder))

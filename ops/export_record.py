@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from common.errors import ConfigError
-from common.kept import reasoning_closer
+from common.kept import sample_closer
 from common.store import DatasetRow
 from ops.export_rows import ExportRow
 
@@ -53,10 +53,12 @@ def earlier_turn(row: ExportRow, latest: Mapping[str, int]) -> LeftOut | None:
                    f"turn {latest[row.conversation]}")
 
 
-def reasoning_close(ds: DatasetRow) -> str | None:
-    """The marker closing the dataset's reasoning block, None when it opened none."""
+def reasoning_close(ds: DatasetRow, drawn: Mapping[str, Any] | None = None) -> str | None:
+    """The marker closing the reasoning block of the dataset's prompts rendered with the
+    template arguments ``drawn`` (its own draw's, common/kept.py), None when they opened
+    none."""
     try:
-        return reasoning_closer(ds.reasoning_open)
+        return sample_closer(ds, drawn)
     except ConfigError as exc:
         raise ConfigError(f"dataset {ds.name}: {exc}") from None
 

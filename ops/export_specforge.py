@@ -55,7 +55,11 @@ class SpecForgeBuilder:
     ``content`` the text beside them; the ``tool`` messages follow it in the next prompt.
     A turn whose calls were not the line's ended its conversation with its calls
     unparsed: it is left out (``tool_calls_differ``) and its conversation's row is the
-    turn before (``latest`` from ``latest_turns(..., parsed_calls=True)``)."""
+    turn before (``latest`` from ``latest_turns(..., parsed_calls=True)``).
+
+    Reasoning is split at the marker closing the row's own prompt's reasoning block: a
+    drawn template argument may have opened none (``thinking=false``), and that row's
+    whole output is its answer, with an empty ``reasoning_content``."""
 
     answers = True
 
@@ -64,12 +68,9 @@ class SpecForgeBuilder:
         self.latest = latest or {}
         self.ids = ids or RowIds(ds)
         self.rows = rows
+        self.ds = ds
         self.sampling = dataset_sampling(ds)
-        self.closer = reasoning_close(ds)
-        self.flags = {
-            "expect_reasoning": self.closer is not None,
-            "expect_non_reasoning": self.closer is None,
-        }
+        reasoning_close(ds)  # an opener without a known closer fails before any row
 
     def build(self, row: ExportRow) -> dict[str, Any] | LeftOut:
         if row.messages is None:
@@ -81,14 +82,15 @@ class SpecForgeBuilder:
             return earlier
         if (row.next_error or "").startswith(TOOLS_DIFFER):
             return LeftOut("tool_calls_differ", row.next_error or "")
+        closer = reasoning_close(self.ds, row.template_kwargs)
         # Not kept (common.kept): the samples the ``kept`` budget basis does not charge.
-        reason = left_out(row.finish_reason, row.output_text, self.closer)
+        reason = left_out(row.finish_reason, row.output_text, closer)
         if reason == "cut_at_budget":
             return LeftOut(reason, f"cut to the budget at {row.completion_tokens} tokens")
         if reason is not None:
-            return LeftOut(reason, f"no {self.closer} in {row.completion_tokens} tokens "
+            return LeftOut(reason, f"no {closer} in {row.completion_tokens} tokens "
                            f"(finish {row.finish_reason})")
-        final = self.answer(row)
+        final = self.answer(row, closer)
         if not final["content"].strip() and not final.get("tool_calls"):
             return LeftOut("empty_answer", f"{row.completion_tokens} tokens, empty answer")
         turns = [_prompt_turn(m) for m in row.messages]
@@ -99,13 +101,20 @@ class SpecForgeBuilder:
         if row.tools is not None:
             record["tools"] = row.tools
         record.update(sent(row, self.sampling, "sampling"))
-        error = row_error(record, **self.flags)
+        error = row_error(record, **self.expectations(record))
         if error is None:
             return record if self.rows == "conversation" else self.turn_row(record, row)
         reason = "think_marker" if "thinking marker" in error else "prompt_breaks_checker"
         return LeftOut(reason, error)
 
-    def answer(self, row: ExportRow) -> dict[str, Any]:
+    def expectations(self, record: dict[str, Any]) -> dict[str, bool]:
+        """The checker's reasoning flags for a row: those of its own prompt, rendered with
+        the ``chat_template_kwargs`` the row carries when they were drawn."""
+        drawn = record.get("chat_template_kwargs")
+        closer = reasoning_close(self.ds, drawn if isinstance(drawn, dict) else None)
+        return {"expect_reasoning": closer is not None, "expect_non_reasoning": closer is None}
+
+    def answer(self, row: ExportRow, closer: str | None) -> dict[str, Any]:
         """The turn's answer as the last message: split at the reasoning marker, or, when
         it called tools, as its successor's prompt stores it, calls and all."""
         stored = row.answer or {}
@@ -113,7 +122,7 @@ class SpecForgeBuilder:
             return {"role": "assistant", "content": str(stored.get("content") or ""),
                     "reasoning_content": stored.get("reasoning_content") or "",
                     "tool_calls": stored["tool_calls"]}
-        reasoning, answer, _cut = split_reasoning(row.output_text, self.closer)
+        reasoning, answer, _cut = split_reasoning(row.output_text, closer)
         return {"role": "assistant", "content": answer, "reasoning_content": reasoning}
 
     def turn_row(self, record: dict[str, Any], row: ExportRow) -> dict[str, Any]:

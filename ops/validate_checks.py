@@ -65,7 +65,7 @@ def mask_error(record: dict[str, Any], conversation: bool = False) -> str | None
 def shape_error(fmt: str, builder: Any, record: dict[str, Any]) -> tuple[str, str] | None:
     """(kind, message) of the first rule the record breaks on its own, before SQL."""
     if fmt == "specforge" and isinstance(builder, SpecForgeBuilder):
-        error = row_error(record, **builder.flags)
+        error = row_error(record, **builder.expectations(record))
         return None if error is None else ("specforge-checker", error)
     if fmt == "speculators":
         error = mask_error(record, getattr(builder, "rows", None) == "conversation")

@@ -198,6 +198,9 @@ class Enqueuer:
             order=self._orders[plan.name],
             mixtures=mixtures,
             generations=generations,
+            # Every draw's, before any prompt is stored: workers judge each sample by its
+            # own draw's opener (common/kept.py).
+            reasoning_opens=self.templater.reasoning_opens(mixtures.template_draws()),
         )
         if old is not None:
             if self.store.prompt_counts(plan.name):
@@ -250,13 +253,14 @@ class Enqueuer:
     def _later_turns(self, plan: DatasetPlan, stamp: str, summary: DatasetSummary,
                      in_redis: set[str]) -> None:
         """Publish again the later turns SQL holds as queued and Redis lost: workers made
-        them, and no prompt file lists them."""
+        them, and no prompt file lists them. They go ahead of new prompts, as when first
+        sent, for their prefix in the server's cache."""
         lost = [s for s in queued_later_turns(self.store, plan.name) if s not in in_redis]
         if lost:
             none: Future[list[list[int]]] = Future()
             none.set_result([])
             self._written.append(self._writing.submit(
-                self._write, plan, stamp, summary, 0, [], none, lost))
+                self._write, plan, stamp, summary, 0, [], none, lost, ahead=True))
 
     def _render(
         self, records: list[PromptRecord], report: ReadReport, ds: DatasetRow
@@ -296,7 +300,7 @@ class Enqueuer:
     def _write(
         self, plan: DatasetPlan, stamp: str, summary: DatasetSummary, read: int,
         fresh: list[PromptRecord], encoded: Future[list[list[int]]], lost: list[str],
-        ranks: dict[str, int] | None = None,
+        ranks: dict[str, int] | None = None, ahead: bool = False,
     ) -> _Written:
         """Store a chunk's new prompts, then hand them and the ones Redis lost to the
         publishing process, in publishing order (``ranks``: the chunk's)."""
@@ -306,7 +310,7 @@ class Enqueuer:
             raise _Abandoned()
         try:
             return self._store_and_publish(plan, stamp, summary, read, fresh, encoded, lost,
-                                           ranks or {})
+                                           ranks or {}, ahead)
         except BaseException:
             self._failed = True
             raise
@@ -314,7 +318,7 @@ class Enqueuer:
     def _store_and_publish(
         self, plan: DatasetPlan, stamp: str, summary: DatasetSummary, read: int,
         fresh: list[PromptRecord], encoded: Future[list[list[int]]], lost: list[str],
-        ranks: dict[str, int],
+        ranks: dict[str, int], ahead: bool = False,
     ) -> _Written:
         rows = self._prompt_rows(plan, fresh, encoded.result(), ranks,
                                  self._registered[plan.name])
@@ -330,7 +334,7 @@ class Enqueuer:
         to_send = sorted({*lost, *new}, key=lambda sid: rank_key(ranks.get(sid), sid))
         if not to_send or self.ledger.is_closed(plan.name):
             return _Written(summary, read, 0, skipped)
-        sent = self._sending.submit(plan.name, stamp, to_send)
+        sent = self._sending.submit(plan.name, stamp, to_send, ahead)
         return _Written(summary, read, len(to_send), skipped, sent)
 
     @staticmethod

@@ -38,11 +38,12 @@ class _InOrder:
         self.publisher = Publisher(app)
         self.failed = False
 
-    def publish(self, dataset: str, stamp: str, sample_ids: Sequence[str]) -> None:
+    def publish(self, dataset: str, stamp: str, sample_ids: Sequence[str],
+                ahead: bool = False) -> None:
         if self.failed:
             raise Abandoned()
         try:
-            self.publisher.publish(dataset, stamp, sample_ids)
+            self.publisher.publish(dataset, stamp, sample_ids, ahead)
         except BaseException:
             self.failed = True
             raise
@@ -67,9 +68,11 @@ class Sender:
             self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="publish")
             self._submit_chunk = lambda *chunk: self._pool.submit(in_order.publish, *chunk)
 
-    def submit(self, dataset: str, stamp: str, sample_ids: Sequence[str]) -> Future[None]:
-        """Queue a chunk for publishing; its future is done once it is all in Redis."""
-        return self._submit_chunk(dataset, stamp, list(sample_ids))
+    def submit(self, dataset: str, stamp: str, sample_ids: Sequence[str],
+               ahead: bool = False) -> Future[None]:
+        """Queue a chunk for publishing (``ahead``: before the dataset's new prompts, as
+        ``Publisher.publish``); its future is done once it is all in Redis."""
+        return self._submit_chunk(dataset, stamp, list(sample_ids), ahead)
 
     def close(self) -> None:
         """Wait for the chunks handed over; the publishing process then exits."""
@@ -96,6 +99,6 @@ def _exit_with_parent(parent_pid: int) -> None:
     os._exit(0)
 
 
-def _publish_in_child(dataset: str, stamp: str, sample_ids: list[str]) -> None:
+def _publish_in_child(dataset: str, stamp: str, sample_ids: list[str], ahead: bool) -> None:
     assert _child is not None, "the publishing process was not started by Sender"
-    _child.publish(dataset, stamp, sample_ids)
+    _child.publish(dataset, stamp, sample_ids, ahead)

@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 import common
+from common.draws import draw_key
 from common.errors import ConfigError
 from common.kept import REASONING_MARKERS, split_reasoning
 from common.tokenizer_files import load_tokenizer
@@ -231,7 +232,7 @@ class ChatTemplater:
         again once per distinct ``extra``, then kept."""
         if not extra:
             return self
-        key = json.dumps(extra, sort_keys=True)
+        key = draw_key(extra)
         found = self._variants.get(key)
         if found is not None:
             return found
@@ -244,6 +245,13 @@ class ChatTemplater:
                 found._prepare()
                 self._variants[key] = found
             return found
+
+    def reasoning_opens(self, draws: Sequence[dict[str, Any]]) -> dict[str, str | None] | None:
+        """The reasoning opener each draw's variant leaves open, by ``draw_key``; None
+        without draws. A drawn argument may turn reasoning off (``thinking=false``)."""
+        if not draws:
+            return None
+        return {draw_key(d): self.variant(d).reasoning_open for d in draws}
 
     @property
     def kwargs(self) -> dict[str, Any]:

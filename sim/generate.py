@@ -51,6 +51,8 @@ async def handle_generate(request: web.Request) -> web.StreamResponse:
     raw = await request.read()
     body, parse_error = _parse_body(raw)
     record = RequestRecord.from_body(body, arrived)
+    peer = request.transport.get_extra_info("peername") if request.transport else None
+    record.peer = f"{peer[0]}:{peer[1]}" if peer else None
     sim.arrived += 1
     try:
         return await _serve(request, sim, body, parse_error, record)

@@ -46,6 +46,8 @@ class RequestRecord:
     detail: str | None = "client disconnected"
     #: The body's sampling_params as received (an object), else None.
     sampling_params: dict[str, Any] | None = None
+    #: The client's address and port: requests on one kept-alive connection share it.
+    peer: str | None = None
 
     @classmethod
     def from_body(cls, body: Any, arrived_ts: float) -> RequestRecord:

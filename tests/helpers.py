@@ -25,7 +25,7 @@ from common.schema import prompt_inputs, prompts, results
 from common.settings import Settings
 from common.store import Store
 from producer.enqueue import DatasetSummary, Enqueuer, Limits
-from producer.plan import plans_from_paths
+from producer.plan import Draws, plans_from_paths
 from producer.template import BUNDLED_TOKENIZER, ChatTemplater
 from workers.app import create_app
 from workers.context import WorkerContext
@@ -96,11 +96,12 @@ def running_worker(settings: Settings, concurrency: int = 16) -> Iterator[Celery
 def enqueue_paths(
     settings: Settings, paths: Sequence[str], budget: Budget | None = None,
     max_new_tokens: int = 512, max_seq_len: int = 4096, turns: str | None = "last",
+    draws: Draws | None = None,
 ) -> list[DatasetSummary]:
     store = Store(settings.database_url)
     ledger = Ledger(_redis(settings))
     plans = plans_from_paths(list(paths), budget or Budget(), {"temperature": 1.0},
-                             max_new_tokens, turns)
+                             max_new_tokens, turns, draws=draws)
     templater = ChatTemplater(str(BUNDLED_TOKENIZER))
     enqueuer = Enqueuer(store, ledger, make_celery(settings), templater, Limits(max_seq_len))
     return enqueuer.run(plans)

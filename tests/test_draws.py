@@ -8,8 +8,10 @@ from pathlib import Path
 import pytest
 
 from common.budget import Budget
-from common.draws import Choice, Mixtures, draw
+from common.draws import Choice, Mixtures, draw, draw_key
 from common.errors import ConfigError
+from common.kept import sample_closer
+from common.store import DatasetRow
 from producer.generations import expand, generation_id
 from producer.mixes import parse_mix_flag, parse_mix_flags
 from producer.plan import Draws, plans_from_manifest, plans_from_paths
@@ -33,6 +35,27 @@ def test_weights_decide_the_shares() -> None:
     for value, weight in (("low", 0.4), ("medium", 0.4), ("high", 0.2)):
         share = drawn.count(value) / n
         assert abs(share - weight) <= Z99 * math.sqrt(weight * (1 - weight) / n), value
+
+
+def test_every_template_draw_is_listed_and_any_draw_it_makes_is_among_them() -> None:
+    mix = parse_mix_flags(["thinking=true:1,false:1", "temperature=0.6:1,0.8:1",
+                           "reasoning_effort=low:1,high:1"])
+    draws = {draw_key(d) for d in mix.template_draws()}
+    assert len(draws) == 4  # the sampling key is not a template argument
+    assert {draw_key(mix.template(3, f"s{i}")) for i in range(200)} == draws
+    assert parse_mix_flags(["temperature=0.6:1,0.8:1"]).template_draws() == []
+
+
+def test_a_sample_is_judged_by_its_own_draws_reasoning_opener() -> None:
+    opens = {draw_key({"thinking": True}): "<think>", draw_key({"thinking": False}): None}
+    ds = DatasetRow("d", Budget(), {}, 4096, "tok", "h", reasoning_open="<think>",
+                    reasoning_opens=opens)
+    assert sample_closer(ds, {"thinking": False}) is None
+    assert sample_closer(ds, {"thinking": True}) == "</think>"
+    # No draw, or one recorded nowhere (a dataset from before): the dataset's opener.
+    assert sample_closer(ds, None) == sample_closer(ds, {"other": 1}) == "</think>"
+    before = DatasetRow("d", Budget(), {}, 4096, "tok", "h", reasoning_open="<think>")
+    assert sample_closer(before, {"thinking": False}) == "</think>"
 
 
 def test_flag_values_are_json_when_they_are_json() -> None:

@@ -274,3 +274,25 @@ def test_batched_calls_load_scripts_redis_lost() -> None:
         assert ledger.state("ds").used_tokens == 10
         assert ledger.admit_many([]) == [] and ledger.charge_many([]) == []
         client.close()
+
+
+@pytest.mark.parametrize("end", ["charge", "release", "charge_many"])
+def test_a_started_mark_ends_with_its_requests_inflight_entry(
+    ledger: Ledger, redis_client: redis.Redis, end: str) -> None:
+    # A drain close aborts the rids in flight that are not marked started: a mark left
+    # behind would grow the set for the whole run; one dropped early would abort a running
+    # request. It goes in the same step as the inflight entry, and only then.
+    ledger.configure("ds", Budget(10_000))
+    keys = dataset_keys("ds")
+    for rid in ("r1", "r2"):
+        assert ledger.admit("ds", rid, 100, 50) is Admission.ADMITTED
+        ledger.mark_started("ds", rid)
+    assert ledger.queued_rids("ds") == []
+    if end == "release":
+        ledger.release("ds", "r1")
+    elif end == "charge":
+        ledger.charge("ds", "s1", "r1", 10, 20)
+    else:
+        ledger.charge_many([ChargeArgs("ds", "s1", "r1", 10, 20)])
+    assert {m.decode() for m in redis_client.smembers(keys.started)} == {"r2"}
+    assert ledger.inflight_rids("ds") == ["r2"] and ledger.queued_rids("ds") == []

@@ -230,6 +230,7 @@ def test_a_v030_database_gets_the_turn_columns_and_conversations(db_url: str) ->
     indexes = {i["name"] for i in sa.inspect(store.engine).get_indexes("prompt_inputs")}
     assert "ix_prompt_inputs_conversation" in indexes
     assert (store.dataset("old").turns, store.dataset("old").template_kwargs) == ("last", None)
+    assert store.dataset("old").reasoning_opens is None  # the dataset's one opener
     messages = [{"role": "user", "content": "q"}]
     store.insert_prompts(
         [NewPrompt(dataset="old", sample_id="c#turn1", state="queued", prompt_tokens=2,

@@ -17,7 +17,7 @@ from transformers import AutoTokenizer
 
 from common.draws import Mixtures
 from common.ledger import Ledger
-from common.schema import prompt_inputs, prompts, results
+from common.schema import datasets, prompt_inputs, prompts, results
 from common.settings import Settings
 from common.store import Store
 from ops.cli import main
@@ -129,8 +129,8 @@ def test_a_temperature_mixture_is_drawn_once_sent_and_stored(
 def test_a_template_argument_mixture_renders_each_turn_with_its_conversation_draw(
     env: Settings, tmp_path: Path, capsys: pytest.CaptureFixture[str],
 ) -> None:
-    _, store = load(env, tmp_path, "think", 40, "--turns", "all", "--mix",
-                    "thinking=true:1,false:1", "--mix", "temperature=0.5:1,0.9:1", turns=2)
+    path, store = load(env, tmp_path, "think", 40, "--turns", "all", "--mix",
+                       "thinking=true:1,false:1", "--mix", "temperature=0.5:1,0.9:1", turns=2)
     with running_worker(env, concurrency=8):
         # A turn answered with nothing past its reasoning ends its conversation there.
         wait_settled(store, ["think"])
@@ -151,6 +151,26 @@ def test_a_template_argument_mixture_renders_each_turn_with_its_conversation_dra
         assert rows[sid][1]["temperature"] == mixtures.sampling(0, conversation)["temperature"]
     assert {json.dumps(kw) for _, _, kw in stored.values()} == {
         '{"thinking": true}', '{"thinking": false}'}
+    # A turn drawn thinking=false opened no reasoning block: its whole output is its answer,
+    # kept, and its conversation goes on, whether or not the output writes </think>.
+    opens = {'{"thinking": false}': None, '{"thinking": true}': "<think>"}
+    assert store.dataset("think").reasoning_opens == opens
+    with store.engine.connect() as conn:
+        kept = dict(conn.execute(sa.select(results.c.sample_id, results.c.kept)
+                                 .where(results.c.dataset == "think")).all())
+        texts = dict(conn.execute(sa.select(results.c.sample_id, results.c.output_text)
+                                  .where(results.c.dataset == "think")).all())
+    off = [sid for sid, (_, _, kw) in stored.items() if not kw["thinking"]]
+    assert off and all(kept[sid] for sid in off)
+    assert all(kept[sid] == ("</think>" in texts[sid])
+               for sid, (_, _, kw) in stored.items() if kw["thinking"])
+    assert all(sid.replace("#turn1", "#turn2") in stored for sid in off
+               if sid.endswith("#turn1"))
+    # A dataset enqueued before openers were kept per draw gets them at its next enqueue.
+    with store.engine.begin() as conn:
+        conn.execute(sa.update(datasets).values(reasoning_opens=None))
+    assert enqueue(path) == 0
+    assert store.dataset("think").reasoning_opens == opens
 
     out = tmp_path / "export"
     assert main(["export", "--format", "speculators", "--out", str(out)]) == 0

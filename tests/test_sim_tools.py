@@ -142,3 +142,31 @@ def test_the_call_block_is_what_the_template_renders(remote_tokenizer: Path) -> 
     rendered = hf.apply_chat_template([{"role": "user", "content": "q"}, message],
                                       tokenize=False, add_generation_prompt=False)
     assert block in rendered
+
+
+def test_a_tool_call_parse_goes_to_another_server_when_one_is_down(code_sim: str) -> None:
+    # The parse of a turn's calls is asked of the server that generated the turn; one
+    # that went down since must not end the conversation while another can parse.
+    from common.errors import ServerUnreachable
+    from common.sglang_client import SGLangClient
+    from ops.localredis import free_port
+    from workers.tool_turns import parse_on_fleet
+
+    down = f"http://127.0.0.1:{free_port()}"
+    client = SGLangClient((down, code_sim), connect_timeout_s=1.0)
+    asked: list[str] = []
+
+    def parse_at(server: str, text: str, tools: list[Any]) -> tuple[str, list[Any]]:
+        asked.append(server)
+        return client.parse_function_call(server, text, tools, "datagen")
+
+    parse = parse_on_fleet(parse_at, down, client.urls, pauses_s=())
+    normal, calls = parse(f"Looking.<|calls|>{CALL}<|/calls|>", [WEATHER])
+    assert (normal, [c["name"] for c in calls]) == ("Looking.", ["get_weather"])
+    assert asked == [down, code_sim]
+
+    asked.clear()
+    alone = parse_on_fleet(parse_at, down, (down,), pauses_s=(0.01,))
+    with pytest.raises(ServerUnreachable):
+        alone(f"<|calls|>{CALL}<|/calls|>", [WEATHER])
+    assert asked == [down, down]

@@ -43,3 +43,16 @@ def test_a_streamed_request_the_server_refuses_is_the_same_error(sim_url: str) -
     with pytest.raises(PermanentError, match="HTTP 400"):
         client.generate(sim_url, "bad-1", PROMPT, {"max_new_tokens": 10, "top_p": 1.5},
                         on_start=lambda: None)
+
+
+def test_streamed_requests_keep_their_connection_alive(sim_url: str) -> None:
+    # A stream left unread past its [DONE] closes its connection: every request of a
+    # drain dataset would then open a new one.
+    client = SGLangClient((sim_url,))
+    rids = [f"alive-{i}" for i in range(4)]
+    for rid in rids:
+        client.generate(sim_url, rid, PROMPT, {"max_new_tokens": 8}, on_start=lambda: None)
+    log = requests.get(f"{sim_url}/sim/requests", timeout=5).json()
+    peers = [r["peer"] for r in log if r["rid"] in rids]
+    assert len(peers) == len(rids) and all(peers)
+    assert len(set(peers)) == 1

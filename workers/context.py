@@ -131,9 +131,9 @@ class WorkerContext:
         return Publisher(self.app if self.app is not None else make_celery(self.settings))
 
     def result_row(self, ds: DatasetRow, sample_id: str, c: Completion,
-                   charge: ChargeResult) -> ResultRow:
-        return steps.result_row(ds, sample_id, c, charge, model=self.client.model(c.server),
-                                decoder=self.decoder)
+                   charge: ChargeResult, closer: str | None) -> ResultRow:
+        return steps.result_row(ds, sample_id, c, charge, closer,
+                                model=self.client.model(c.server), decoder=self.decoder)
 
     def decoder(self, tokenizer: str) -> Decoder | None:
         """A decoder for cut outputs, loaded once."""

@@ -20,6 +20,7 @@ from common.closing import after_close
 from common.db import UNAVAILABLE
 from common.draws import draw_id, seed_of
 from common.errors import TransientError, UnstorableResult
+from common.kept import sample_closer
 from common.ledger import Admission, Charge
 from common.reconcile import reconcile_dataset
 from common.rids import new_rid
@@ -49,15 +50,26 @@ class Outcome(StrEnum):
     MISSING = "missing-prompt"
 
 
+def _draw(ds: DatasetRow, prompt: PromptRow) -> tuple[int, str]:
+    """What the prompt's draws are keyed by (common/draws.py): a pure function, so a
+    redelivery draws the same, and the same the producer rendered the prompt with."""
+    return seed_of(ds.order.seed), draw_id(prompt.sample_id, prompt.conversation)
+
+
 def sampling_params(ds: DatasetRow, prompt: PromptRow) -> dict[str, Any]:
     """What the request sends: the dataset's sampling, the values drawn for the prompt
-    (common/draws.py: a pure function, so a redelivery sends the same) and its cap."""
+    and its cap."""
     params = {k: v for k, v in ds.sampling.items() if k != "max_new_tokens"}
     if ds.mixtures:
-        params.update(ds.mixtures.sampling(seed_of(ds.order.seed),
-                                           draw_id(prompt.sample_id, prompt.conversation)))
+        params.update(ds.mixtures.sampling(*_draw(ds, prompt)))
     params["max_new_tokens"] = prompt.max_new_tokens
     return params
+
+
+def reasoning_closer(ds: DatasetRow, prompt: PromptRow) -> str | None:
+    """The marker closing the prompt's reasoning block: its own template draw's."""
+    drawn = ds.mixtures.template(*_draw(ds, prompt)) if ds.mixtures.template_keys else None
+    return sample_closer(ds, drawn)
 
 
 def run_sample(ctx: WorkerContext, dataset: str, sample_id: str) -> Outcome:
@@ -115,36 +127,33 @@ def _generate(ctx: WorkerContext, prompt: PromptRow, server: str, rid: str,
     ds = ctx.dataset(prompt.dataset)
     # Under drain a close aborts the requests still queued on the server, so the request
     # is streamed to learn when it starts (common/sglang_stream.py).
+    # Its mark goes with the rid's inflight entry, in the charge or the release.
     on_start = _starter(ctx, ds.name, rid) if ds.budget.policy == "drain" else None
-    try:
-        with ctx.metrics.request(prompt.dataset):
-            completion = ctx.client.generate(server, rid, prompt.input_ids,
-                                             sampling_params(ds, prompt), on_start)
-    finally:
-        if on_start is not None:
-            _quietly(lambda: ctx.ledger.forget_started(ds.name, rid))
+    with ctx.metrics.request(prompt.dataset):
+        completion = ctx.client.generate(server, rid, prompt.input_ids,
+                                         sampling_params(ds, prompt), on_start)
     if completion.finish_type == "abort":
         return _aborted(ctx, prompt.dataset, prompt.sample_id, rid, completion)
-    return keep(ctx, ds, prompt.sample_id, completion)
+    return keep(ctx, ds, prompt.sample_id, completion, reasoning_closer(ds, prompt))
 
 
 def _starter(ctx: WorkerContext, dataset: str, rid: str) -> Callable[[], None]:
-    return lambda: _quietly(lambda: ctx.ledger.mark_started(dataset, rid))
+    def mark() -> None:
+        """A started mark, best effort: Redis away must not fail the request. A mark
+        missing lets a drain close abort a running request (its partial output is not
+        kept)."""
+        try:
+            ctx.ledger.mark_started(dataset, rid)
+        except redis.RedisError as exc:
+            log.warning("started mark not written (%s)", exc)
+    return mark
 
 
-def _quietly(fn: Callable[[], None]) -> None:
-    """A started mark, best effort: Redis away must not fail the request. A mark missing
-    lets a drain close abort a running request (its partial output is not kept); one
-    left behind only spares a request that has ended."""
-    try:
-        fn()
-    except redis.RedisError as exc:
-        log.warning("started mark not written (%s)", exc)
-
-
-def keep(ctx: WorkerContext, ds: DatasetRow, sample_id: str, completion: Completion) -> Outcome:
-    """Charge the sample, then store what the charge allows."""
-    settled = ctx.settlements((ds, sample_id, completion))
+def keep(ctx: WorkerContext, ds: DatasetRow, sample_id: str, completion: Completion,
+         closer: str | None) -> Outcome:
+    """Charge the sample, then store what the charge allows (``closer``: the marker closing
+    its reasoning, for whether it is kept)."""
+    settled = ctx.settlements((ds, sample_id, completion, closer))
     charge, row, then = settled.charge, settled.row, settled.then
     if charge.status is Charge.REFUSED:
         ctx.metrics.discarded.labels(ds.name).inc()

@@ -16,7 +16,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from common.db import UNAVAILABLE
-from common.kept import is_kept, reasoning_closer
+from common.kept import is_kept
 from common.ledger import Admission, AdmitArgs, Charge, ChargeArgs, ChargeResult, Ledger
 from common.rows import NewPrompt, ResultRow
 from common.sglang_client import Completion
@@ -29,10 +29,13 @@ DEFAULT_EXPECTED_TOKENS = 2048
 
 AdmitItem = tuple[str, str, str]  # dataset, sample_id, rid
 Admitted = tuple[PromptRow | None, Admission | None]
-SettleItem = tuple[DatasetRow, str, Completion]  # dataset, sample_id, its completion
+# dataset, sample_id, its completion, the marker closing its reasoning (common.kept
+# ``sample_closer``: its own draw's)
+SettleItem = tuple[DatasetRow, str, Completion, str | None]
 Decoder = Callable[[Sequence[int]], str]
-# Builds a sample's row from its charge (the worker's ``WorkerContext.result_row``).
-RowBuilder = Callable[[DatasetRow, str, Completion, ChargeResult], ResultRow]
+# Builds a sample's row from its charge and its reasoning closer (the worker's
+# ``WorkerContext.result_row``).
+RowBuilder = Callable[[DatasetRow, str, Completion, ChargeResult, str | None], ResultRow]
 # The prompts kept rows make possible, by row key (workers/turns.py ``NextTurns.build``).
 FollowBuilder = Callable[[list[tuple[DatasetRow, ResultRow]]],
                          dict[tuple[str, str], NewPrompt]]
@@ -74,14 +77,14 @@ def settle_group(store: Store, ledger: Ledger, build_row: RowBuilder,
     # request sent before another run took it must not count in that run's budget.
     charges = ledger.charge_many([
         ChargeArgs(ds.name, sample_id, c.rid, c.prompt_tokens, c.completion_tokens,
-                   kept(ds, c.finish_type, c.text))
-        for ds, sample_id, c in items], store.store_id)
+                   is_kept(c.finish_type, c.text, closer))
+        for ds, sample_id, c, closer in items], store.store_id)
     rows: dict[int, ResultRow] = {}
     failed: dict[int, Exception] = {}
-    for i, ((ds, sample_id, c), charge) in enumerate(zip(items, charges, strict=True)):
+    for i, ((ds, sample_id, c, closer), charge) in enumerate(zip(items, charges, strict=True)):
         if charge.status is not Charge.REFUSED:
             try:
-                rows[i] = build_row(ds, sample_id, c, charge)
+                rows[i] = build_row(ds, sample_id, c, charge, closer)
             except Exception as exc:  # this sample's own fault: the others are stored
                 failed[i] = exc
     then: dict[tuple[str, str], NewPrompt] = {}
@@ -119,15 +122,12 @@ def _follows(follow: FollowBuilder | None, kept: list[tuple[DatasetRow, ResultRo
         return {}
 
 
-def kept(ds: DatasetRow, finish_reason: str, text: str) -> bool:
-    """Whether the exports keep this output as an answer (common.kept)."""
-    return is_kept(finish_reason, text, reasoning_closer(ds.reasoning_open))
-
-
-def result_row(ds: DatasetRow, sample_id: str, c: Completion, charge: ChargeResult, *,
-               model: str, decoder: Callable[[str], Decoder | None]) -> ResultRow:
+def result_row(ds: DatasetRow, sample_id: str, c: Completion, charge: ChargeResult,
+               closer: str | None, *, model: str,
+               decoder: Callable[[str], Decoder | None]) -> ResultRow:
     """The row to keep: the output as charged; one cut to the budget (``exact``) is
-    re-decoded with ``decoder(tokenizer)``, loaded only then."""
+    re-decoded with ``decoder(tokenizer)``, loaded only then. ``closer``: the marker
+    closing the sample's reasoning, for whether the exports keep it (common.kept)."""
     ids, text, finish = c.output_ids, c.text, c.finish_type
     if charge.status is Charge.CHARGED and charge.kept_completion_tokens < c.completion_tokens:
         ids = ids[: charge.kept_completion_tokens]
@@ -150,5 +150,5 @@ def result_row(ds: DatasetRow, sample_id: str, c: Completion, charge: ChargeResu
         server=c.server,
         model=model,
         sampling=c.sampling_params,
-        kept=kept(ds, finish, text),
+        kept=is_kept(finish, text, closer),
     )

@@ -7,6 +7,11 @@ model SGLang parses works without a parser of datagen's. The text sent is the ou
 decoded with their special tokens (tool-call markers are special tokens in many
 tokenizers, and ``/generate``'s text drops them), without the stop token that ended it.
 
+The parser is the same on every server of a fleet (one model, one ``--tool-call-parser``),
+so a parse that fails on the generating server for a passing reason (unreachable, 5xx,
+timeout) is asked of the others, and of all again after a short pause, before the
+conversation ends on it: a server's restart must not end conversations.
+
 If the model called the same functions as the line, in the same order and number, its
 answer enters the history with its own calls and the line's tool results follow it; tools
 are never run. Its calls take the ids of the line's calls, position by position: SGLang's
@@ -17,13 +22,47 @@ that turn: ``ToolsDiffer`` carries the reason, stored with the next turn's promp
 
 from __future__ import annotations
 
+import logging
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
 from common.conversation import TOOLS_DIFFER, Message, own_answer
+from common.errors import TransientError
+
+log = logging.getLogger(__name__)
 
 # (text, tools) -> (normal_text, calls), as /parse_function_call answers.
 Parse = Callable[[str, list[dict[str, Any]]], tuple[str, list[dict[str, Any]]]]
+
+
+# Pauses before asking the fleet again: short, as the turn's store (and the others of its
+# group commit) waits for the answer.
+PARSE_PAUSES_S = (0.5, 2.0)
+
+
+def parse_on_fleet(parse_at: Callable[[str, str, list[dict[str, Any]]],
+                                      tuple[str, list[dict[str, Any]]]],
+                   first: str, servers: Sequence[str],
+                   pauses_s: Sequence[float] = PARSE_PAUSES_S) -> Parse:
+    """A Parse that asks ``first``, then the other servers, then all again after each of
+    ``pauses_s``, for as long as each fails for a passing reason; the last such error
+    when none answered. ``parse_at(server, text, tools)`` is one server's parse."""
+    order = [first, *(s for s in servers if s != first)]
+
+    def parse(text: str, tools: list[dict[str, Any]]) -> tuple[str, list[dict[str, Any]]]:
+        last = TransientError(f"{first}: no server to parse tool calls", server=first)
+        for pause in (0.0, *pauses_s):
+            time.sleep(pause)
+            for server in order:
+                try:
+                    return parse_at(server, text, tools)
+                except TransientError as exc:
+                    log.warning("tool-call parse failed on %s (%s); asking another", server,
+                                exc)
+                    last = exc
+        raise last
+    return parse
 
 
 class ToolsDiffer(Exception):

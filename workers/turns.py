@@ -34,7 +34,7 @@ from common.rows import NewPrompt, ResultRow, allowance
 from common.sglang_client import SGLangClient
 from common.store import DatasetRow, Store
 from producer.template import ChatTemplater, dataset_templater
-from workers.tool_turns import ToolsDiffer, parse_text, tool_answer
+from workers.tool_turns import ToolsDiffer, parse_on_fleet, parse_text, tool_answer
 
 log = logging.getLogger(__name__)
 Kept = tuple[DatasetRow, ResultRow]
@@ -117,9 +117,10 @@ class NextTurns:
         if client is None or not parser:
             raise ConfigError(f"dataset {ds.name} has no --tool-call-parser for its tool calls")
         text = parse_text(templater.decode_all, row.output_ids, row.finish_detail)
-        return tool_answer(lambda t, tools: client.parse_function_call(row.server, t, tools,
-                                                                      parser),
-                           text, context.tools, originals, templater.split_reasoning, reasoning)
+        parse = parse_on_fleet(lambda server, t, tools: client.parse_function_call(
+            server, t, tools, parser), row.server, client.urls)
+        return tool_answer(parse, text, context.tools, originals, templater.split_reasoning,
+                           reasoning)
 
     @staticmethod
     def _row(ds: DatasetRow, context: TurnContext, turn: int, messages: list[dict[str, object]],
