@@ -22,7 +22,7 @@ def _prompt_decoder(ds: DatasetRow) -> tuple[Any, str]:
     path = Path(ds.tokenizer) / "tokenizer.json"
     if not path.is_file():
         code = code_class(Path(ds.tokenizer))
-        why = f"; its tokenizer is Python code ({code}), which export does not run" if code else ""
+        why = f"; its tokenizer is Python code ({code}), not run for text" if code else ""
         return None, f"omitted: no {path} to decode the prompt ids with{why}"
     from tokenizers import Tokenizer
 
