@@ -31,6 +31,13 @@ def turn_id(conversation: str, turn: int) -> str:
     return f"{conversation}{_TURN_MARK}{turn}"
 
 
+def conversation_of(sample_id: str) -> str:
+    """The conversation a turn's sample id names (``turn_id``'s inverse); any other id
+    as it is."""
+    base, mark, turn = sample_id.rpartition(_TURN_MARK)
+    return base if mark and turn.isdigit() else sample_id
+
+
 def max_conversation_id(max_id_chars: int, turns: int) -> int:
     """The longest conversation id whose turns' ids fit in ``max_id_chars``."""
     return max_id_chars - len(turn_id("", turns))

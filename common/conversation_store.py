@@ -214,12 +214,27 @@ def single_turns(store: Store, dataset: str) -> SingleTurns:
         return SingleTurns(*(int(n) for n in conn.execute(q).one()))
 
 
-def latest_turns(store: Store, dataset: str, upto_id: int) -> dict[str, int]:
-    """Each conversation's last turn with a result, among results up to ``upto_id``."""
+def latest_turns(store: Store, dataset: str, upto_id: int, parsed_calls: bool = False
+                 ) -> dict[str, int]:
+    """Each conversation's last turn with a result, among results up to ``upto_id``.
+
+    ``parsed_calls``: the last whose answer is stored whole, leaving out a turn whose tool
+    calls were not the line's (its successor skipped, ``TOOLS_DIFFER``): its calls ended
+    the conversation unparsed into history, so they are nowhere as calls."""
     q = sa.select(prompt_inputs.c.conversation, sa.func.max(prompt_inputs.c.turn)).join(
         results, sa.and_(results.c.dataset == prompt_inputs.c.dataset,
                          results.c.sample_id == prompt_inputs.c.sample_id),
     ).where(results.c.dataset == dataset, results.c.id <= upto_id,
             prompt_inputs.c.conversation.is_not(None)).group_by(prompt_inputs.c.conversation)
+    if parsed_calls:
+        nxt, nxt_p = prompt_inputs.alias("next_inputs"), prompts.alias("next_prompts")
+        q = q.outerjoin(nxt, sa.and_(nxt.c.dataset == prompt_inputs.c.dataset,
+                                     nxt.c.conversation == prompt_inputs.c.conversation,
+                                     nxt.c.turn == prompt_inputs.c.turn + 1)
+                        ).outerjoin(nxt_p, sa.and_(nxt_p.c.dataset == nxt.c.dataset,
+                                                   nxt_p.c.sample_id == nxt.c.sample_id)
+                                    ).where(sa.or_(nxt_p.c.error.is_(None),
+                                                   sa.not_(nxt_p.c.error.like(
+                                                       f"{TOOLS_DIFFER}%"))))
     with store.engine.connect() as conn:
         return {conversation: int(turn) for conversation, turn in conn.execute(q)}

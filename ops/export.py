@@ -1,7 +1,7 @@
 """``datagen export``: stored results as training files, one per dataset, plus a manifest.
 
     datagen export --format specforge|speculators|parquet --out DIR [--dataset NAME ...]
-                   [--allow-empty]
+                   [--rows conversation|turn] [--allow-empty]
 
 Writes ``DIR/<dataset>.specforge.jsonl`` (or ``.speculators.jsonl``, ``.parquet``) and
 ``DIR/manifest.datagen`` (JSON). Memory stays flat in the number of results: rows stream
@@ -37,17 +37,16 @@ from ops.argtypes import add_quiet_flag
 from ops.export_card import check_card_free, write_card
 from ops.export_formats import (
     FORMATS,
-    REASONS,
     ROWS,
-    Builder,
-    LeftOut,
     builder_notes,
     conversation_ends,
     make_builder,
     output_file,
     rows_for,
 )
+from ops.export_ids import shared_lines
 from ops.export_io import LEGACY_MANIFEST, MANIFEST, Sink, open_sink
+from ops.export_record import REASONS, Builder, LeftOut
 from ops.export_rows import ExportRow, count_results, iter_rows, result_counts, snapshot_id
 
 MANIFEST_VERSION = 1
@@ -62,7 +61,9 @@ def add_export_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParse
                    help="only these datasets (default: all)")
     p.add_argument("--rows", choices=ROWS, default=None,
                    help="specforge: a row per conversation (default) or per assistant turn, "
-                        "as SpecForge's expand_reasoning_conversations.py writes them")
+                        "as SpecForge's expand_reasoning_conversations.py writes them; "
+                        "speculators: a row per turn (default) or per conversation, every "
+                        "own answer in it masked 1")
     p.add_argument("--allow-empty", action="store_true",
                    help="exit 0 even when a dataset with results gets a file with no row")
     add_quiet_flag(p)
@@ -132,20 +133,32 @@ def write_rows(
         on_row()
 
 
-def export_dataset(
-    store: Store, ds: DatasetRow, fmt: str, out: Path, progress: ProgressBar,
-    rows: str | None = None,
-) -> DatasetExport:
-    upto = snapshot_id(store, ds.name)
+@dataclass(frozen=True)
+class Choices:
+    """How an export builds its rows, the same for each of its datasets."""
+
+    fmt: str
+    rows: str | None = None  # --rows
+    trust_remote_code: bool = False  # the tokenizer may be loaded by running its code
+    shared: frozenset[str] = frozenset()  # lines held by several datasets (export_ids)
+
+
+def export_dataset(store: Store, ds: DatasetRow, choices: Choices, out: Path,
+                   progress: ProgressBar, upto: int | None = None) -> DatasetExport:
+    """``upto``: the newest result to read (default: the newest now)."""
+    fmt = choices.fmt
+    upto = snapshot_id(store, ds.name) if upto is None else upto
     path = output_file(out, ds.name, fmt)
     stats = DatasetExport(ds.name, path.name, count_results(store, ds.name, upto), upto,
                           ds.reasoning_open, ds.order, ds.mixtures.to_json(),
                           ds.generations, ds.reasoning_opens)
-    builder = make_builder(fmt, ds, conversation_ends(store, ds, upto), rows)
+    builder = make_builder(fmt, ds, conversation_ends(store, ds, upto, fmt), choices.rows,
+                           choices.trust_remote_code, choices.shared)
     stats.notes.update(builder_notes(builder))
     progress.label(ds.name)
     with open_sink(fmt, path) as sink:
-        write_rows(iter_rows(store, ds.name, upto), builder, sink, stats, progress.advance)
+        rows_read = iter_rows(store, ds.name, upto, builder.answers)
+        write_rows(rows_read, builder, sink, stats, progress.advance)
         sink.commit()
     return stats
 
@@ -171,12 +184,15 @@ def select_datasets(store: Store, names: list[str] | None) -> list[DatasetRow]:
 
 
 def manifest(fmt: str, database_url: str, stats: list[DatasetExport],
-             allow_empty: bool = False, rows: str | None = None) -> dict[str, Any]:
+             allow_empty: bool = False, rows: str | None = None,
+             shared: frozenset[str] = frozenset()) -> dict[str, Any]:
     used = sorted({reason for s in stats for reason in s.left_out})
     return {
         "datagen_export": MANIFEST_VERSION,
         "format": fmt,
         "rows": rows_for(fmt, rows),
+        # Lines more than one dataset holds: their rows' ids are <dataset>/<id>.
+        "shared_lines": len(shared),
         "allow_empty": allow_empty,
         "created_at": datetime.now(UTC).isoformat().replace("+00:00", "Z"),
         "database_url": safe_url(database_url),
@@ -236,13 +252,19 @@ def run_export(args: argparse.Namespace, settings: Settings) -> int:
     prepare_out(out)
     counts = result_counts(store)
     total = sum(counts.get(ds.name, 0) for ds in datasets)
+    # Every bound first: the lines shared between datasets are found among the results
+    # each dataset's file is made of.
+    upto = {ds.name: snapshot_id(store, ds.name) for ds in datasets}
+    shared = shared_lines(store, datasets, upto) if args.format != "parquet" else frozenset()
+    choices = Choices(args.format, args.rows, settings.trust_remote_code, shared)
     with ProgressBar("export", "rows", total, quiet=args.quiet,
                      every_s=settings.progress_every_s) as progress:
-        stats = [export_dataset(store, ds, args.format, out, progress, args.rows)
+        stats = [export_dataset(store, ds, choices, out, progress, upto[ds.name])
                  for ds in datasets]
-    doc = manifest(args.format, settings.database_url, stats, args.allow_empty, args.rows)
+    doc = manifest(args.format, settings.database_url, stats, args.allow_empty, args.rows,
+                   shared)
     write_manifest(out, doc)
-    write_card(out, store, args.format, doc["created_at"], datasets, stats)
+    write_card(out, store, args.format, doc["created_at"], datasets, stats, len(shared))
     print("\n".join(summary_lines(args.format, out, stats)))
     empty = empty_files(stats)
     if empty and not args.allow_empty:

@@ -25,8 +25,8 @@ from common.errors import ConfigError
 from common.failures import STOPPED
 from common.schema import results
 from common.store import DatasetRow, Store
-from ops.export_formats import REASONS
 from ops.export_io import MANIFEST
+from ops.export_record import REASONS
 from ops.progress import prompt_counts
 
 if TYPE_CHECKING:
@@ -211,8 +211,18 @@ def left_out_lines(ds: DatasetRow, s: DatasetExport, fact: RunFacts) -> list[str
     return [f"- `{ds.name}`: " + "; ".join(why or ["nothing"])]
 
 
+def _ids_line(shared_lines: int) -> list[str]:
+    """What the ids are, when some name their dataset (ops/export_ids.py)."""
+    if not shared_lines:
+        return []
+    return [f"Ids are unique across the files: the {shared_lines:,} lines that more than one "
+            "dataset holds (datasets made from one file) have their rows' ids written "
+            "`<dataset>/<id>`; every other id is the sample id.", ""]
+
+
 def card_text(fmt: str, created_at: str, datasets: list[DatasetRow],
-              stats: list[DatasetExport], facts: dict[str, RunFacts]) -> str:
+              stats: list[DatasetExport], facts: dict[str, RunFacts],
+              shared_lines: int = 0) -> str:
     by_name = {ds.name: ds for ds in datasets}
     default = next((c.name for c in configs(stats) if c.default), None)
     loading = (f'load_dataset("path/to/this/folder")  # the {default!r} config' if default
@@ -223,7 +233,7 @@ def card_text(fmt: str, created_at: str, datasets: list[DatasetRow],
              f"{created_at}: {sum(s.exported for s in stats):,} rows in {len(stats)} "
              f"datasets, one file each. `{MANIFEST}` (JSON) is the export's own record "
              "(`datagen validate` checks the files against SQL with it).", "",
-             "```python", "from datasets import load_dataset", "",
+             *_ids_line(shared_lines), "```python", "from datasets import load_dataset", "",
              loading, f'load_dataset("path/to/this/folder", "{first}")  # one dataset',
              "```", "", *counts_section(stats, facts), "## How each dataset was made", ""]
     for s in stats:
@@ -252,10 +262,12 @@ def check_card_free(out: Path) -> None:
 
 
 def write_card(out: Path, store: Store, fmt: str, created_at: str,
-               datasets: list[DatasetRow], stats: list[DatasetExport]) -> Path:
+               datasets: list[DatasetRow], stats: list[DatasetExport],
+               shared_lines: int = 0) -> Path:
     facts = run_facts(store, [s.name for s in stats],
                       {s.name: s.upto_result_id for s in stats})
     path, temp = out / CARD, out / f".{CARD}.partial"
-    temp.write_text(card_text(fmt, created_at, datasets, stats, facts), encoding="utf-8")
+    temp.write_text(card_text(fmt, created_at, datasets, stats, facts, shared_lines),
+                    encoding="utf-8")
     temp.replace(path)
     return path

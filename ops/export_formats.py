@@ -1,6 +1,7 @@
 """The three export formats: what one stored result becomes in each, and how it is written.
 
-A builder turns an :class:`ExportRow` into the record its format writes, or into a
+A builder (ops/export_specforge.py, ops/export_speculators.py, and the parquet one here)
+turns an :class:`ExportRow` into the record its format writes, or into a
 :class:`LeftOut` saying why the sample cannot be a training row of that format. Export
 writes what builders return; validate rebuilds the same records from SQL and compares, so
 the two can never disagree about what a correct export is.
@@ -10,257 +11,32 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
-from common.conversation import turn_id
 from common.conversation_store import latest_turns
 from common.errors import ConfigError
-from common.kept import left_out, sample_closer, split_reasoning
 from common.store import DatasetRow, Store
-from common.tokenizer_files import code_class
+from ops.export_ids import RowIds
+from ops.export_record import LeftOut
 from ops.export_rows import ExportRow
-from ops.specforge_check import row_error
-from producer.generations import line_id
+from ops.export_specforge import SpecForgeBuilder
+from ops.export_speculators import SpeculatorsBuilder
 
 FORMATS = ("specforge", "speculators", "parquet")
-# What a row is: a whole conversation (SpecForge's regeneration), or one assistant turn
-# (SpecForge's expand_reasoning_conversations.py; a speculators row is always one turn).
+# What a row is: a whole conversation (SpecForge's regeneration; for speculators, the last
+# turn's ids with every own answer masked 1), or one assistant turn (SpecForge's
+# expand_reasoning_conversations.py; a speculators turn row is that turn's request).
 ROWS = ("conversation", "turn")
-# The suffix of a turn row's id, numbered from 0 as SpecForge's expansion numbers them.
-TURN_ROW = "#turn"
 EXTENSIONS = {
     "specforge": "specforge.jsonl",
     "speculators": "speculators.jsonl",
     "parquet": "parquet",
 }
-# Why a sample was left out, by the key the manifest and the summary count it under.
-REASONS = {
-    "missing_prompt": "its prompt row is missing from SQL",
-    "invalid_id": "its id is blank, which SpecForge rejects",
-    "cut_while_reasoning": "cut off while still reasoning: no closing marker, so no answer",
-    "cut_at_budget": "cut to fill the budget (the exact policy): the answer ends mid-way",
-    "empty_answer": "the answer after the reasoning (or the whole output) is empty",
-    "think_marker": "a reasoning marker is left in the answer or the reasoning",
-    "prompt_breaks_checker": "its prompt turns break SpecForge's checker",
-    "empty_output": "no output tokens: nothing to train on",
-    "earlier_turn": "an earlier turn of a conversation: the row of its last stored turn "
-                    "carries it",
-}
-
-
-def _prompt_turn(message: dict[str, Any]) -> dict[str, Any]:
-    """A prompt turn as SpecForge wants it, with every field the prompt was rendered with
-    (tool calls, a tool reply's call id and name) after role and content.
-
-    SpecForge's checker wants ``reasoning_content`` to be a string on every assistant
-    turn, so an earlier assistant turn read without one (chat templates of reasoning models
-    mostly drop the reasoning of earlier turns) gets ``""`` there rather than being left out.
-    """
-    turn = {"role": message.get("role"), "content": message.get("content")}
-    turn.update((k, v) for k, v in message.items() if k not in turn)
-    if turn["role"] == "assistant" and turn.get("reasoning_content") is None:
-        turn["reasoning_content"] = ""
-    return turn
-
-
-@dataclass(frozen=True)
-class LeftOut:
-    reason: str  # a key of REASONS
-    detail: str
-
-
-class Builder(Protocol):
-    def build(self, row: ExportRow) -> dict[str, Any] | LeftOut: ...
 
 
 def output_file(directory: Path, dataset: str, fmt: str) -> Path:
     return directory / f"{dataset}.{EXTENSIONS[fmt]}"
-
-
-def reasoning_close(ds: DatasetRow, drawn: Mapping[str, Any] | None = None) -> str | None:
-    """The marker closing the reasoning block of the dataset's prompts rendered with the
-    template arguments ``drawn`` (its own draw's, common/kept.py), None when they opened
-    none."""
-    try:
-        return sample_closer(ds, drawn)
-    except ConfigError as exc:
-        raise ConfigError(f"dataset {ds.name}: {exc}") from None
-
-
-def dataset_sampling(ds: DatasetRow) -> dict[str, Any]:
-    return {k: v for k, v in ds.sampling.items() if k != "max_new_tokens"}
-
-
-def sent(row: ExportRow, sampling: dict[str, Any], key: str) -> dict[str, Any]:
-    """``{key: the sampling_params the request sent}``, and the chat template arguments
-    drawn for its prompt, if any. A result stored before requests' sampling was recorded
-    was sent its dataset's (``sampling``, mixtures came later) with its prompt's cap."""
-    used = row.sampling
-    if used is None:
-        used = {**sampling, "max_new_tokens": row.max_new_tokens}
-    out: dict[str, Any] = {key: used}
-    if row.template_kwargs:
-        out["chat_template_kwargs"] = row.template_kwargs
-    return out
-
-
-class SpecForgeBuilder:
-    """``{"id", "status", "conversations"}`` rows as SpecForge's regeneration writes them.
-
-    A conversation regenerated turn by turn is one row, its last stored turn's: that
-    turn's prompt holds every earlier answer as the model's own, each with its
-    ``reasoning_content``, and the turn's answer ends it. ``latest``: each conversation's
-    last stored turn (``common.conversation_store.latest_turns``); its earlier turns are
-    left out as ``earlier_turn``.
-
-    Reasoning is split at the marker closing the row's own prompt's reasoning block: a
-    drawn template argument may have opened none (``thinking=false``), and that row's
-    whole output is its answer, with an empty ``reasoning_content``."""
-
-    def __init__(self, ds: DatasetRow, latest: Mapping[str, int] | None = None,
-                 rows: str = "conversation") -> None:
-        self.ds = ds
-        self.latest = latest or {}
-        self.rows = rows
-        self.sampling = dataset_sampling(ds)
-        reasoning_close(ds)  # an opener without a known closer fails before any row
-
-    def build(self, row: ExportRow) -> dict[str, Any] | LeftOut:
-        if row.messages is None:
-            return LeftOut("missing_prompt", "no prompt row for this result")
-        if not row.sample_id.strip():
-            return LeftOut("invalid_id", f"id {row.sample_id!r} is blank")
-        if self.rows == "conversation" and row.conversation is not None \
-                and row.turn is not None \
-                and row.turn < self.latest.get(row.conversation, row.turn):
-            return LeftOut("earlier_turn", f"turn {row.turn} of {row.conversation}, "
-                           f"carried by turn {self.latest[row.conversation]}")
-        closer = reasoning_close(self.ds, row.template_kwargs)
-        # Not kept (common.kept): the samples the ``kept`` budget basis does not charge.
-        reason = left_out(row.finish_reason, row.output_text, closer)
-        if reason == "cut_at_budget":
-            return LeftOut(reason, f"cut to the budget at {row.completion_tokens} tokens")
-        if reason is not None:
-            return LeftOut(reason, f"no {closer} in {row.completion_tokens} tokens "
-                           f"(finish {row.finish_reason})")
-        reasoning, answer, _cut = split_reasoning(row.output_text, closer)
-        if not answer.strip():
-            return LeftOut("empty_answer", f"{row.completion_tokens} tokens, empty answer")
-        turns = [_prompt_turn(m) for m in row.messages]
-        turns.append({"role": "assistant", "content": answer, "reasoning_content": reasoning})
-        record = {"id": row.sample_id, "status": "success", "conversations": turns}
-        if row.tools is not None:
-            record["tools"] = row.tools
-        record.update(sent(row, self.sampling, "sampling"))
-        error = row_error(record, **self.expectations(record))
-        if error is None:
-            return record if self.rows == "conversation" else self.turn_row(record, row)
-        reason = "think_marker" if "thinking marker" in error else "prompt_breaks_checker"
-        return LeftOut(reason, error)
-
-    def expectations(self, record: dict[str, Any]) -> dict[str, bool]:
-        """The checker's reasoning flags for a row: those of its own prompt, rendered with
-        the ``chat_template_kwargs`` the row carries when they were drawn."""
-        drawn = record.get("chat_template_kwargs")
-        closer = reasoning_close(self.ds, drawn if isinstance(drawn, dict) else None)
-        return {"expect_reasoning": closer is not None, "expect_non_reasoning": closer is None}
-
-    def turn_row(self, record: dict[str, Any], row: ExportRow) -> dict[str, Any]:
-        """The row of this one assistant turn, as SpecForge's expansion writes it: earlier
-        assistant turns are history, their reasoning emptied (the expansion drops it; an
-        empty string keeps SpecForge's checker satisfied), the last one is trained on."""
-        turns = record["conversations"]
-        history = [{**m, "reasoning_content": ""} if m["role"] == "assistant" else m
-                   for m in turns[:-1]]
-        index = sum(m["role"] == "assistant" for m in history)
-        source = row.conversation or row.sample_id
-        out = {"id": f"{source}{TURN_ROW}{index}", "source_id": source,
-               "assistant_turn_index": index, "status": "success",
-               "conversations": [*history, turns[-1]]}
-        # What else the row carries (tools, the sampling sent) stays as it is.
-        out.update((k, v) for k, v in record.items() if k not in out)
-        return out
-
-    def sample_id_of(self, record: dict[str, Any]) -> str | None:
-        """The stored sample a row of this builder was made from."""
-        if self.rows == "conversation":
-            return _string(record.get("id"))
-        source, index = _string(record.get("source_id")), record.get("assistant_turn_index")
-        if source is None or not isinstance(index, int) or isinstance(index, bool):
-            return None
-        # A conversation's turn i (from 1) has the model's own i - 1 answers before it; a
-        # line of a single turn is a prompt of its own, under its own id.
-        return turn_id(source, index + 1) if source in self.latest else source
-
-
-def _string(value: Any) -> str | None:
-    return value if isinstance(value, str) else None
-
-
-def _prompt_decoder(ds: DatasetRow) -> tuple[Any, str]:
-    """The dataset's tokenizer (the ``tokenizers`` one: fast, no transformers import), and
-    what the ``text`` field holds with it."""
-    path = Path(ds.tokenizer) / "tokenizer.json"
-    if not path.is_file():
-        code = code_class(Path(ds.tokenizer))
-        why = f"; its tokenizer is Python code ({code}), which export does not run" if code else ""
-        return None, f"omitted: no {path} to decode the prompt ids with{why}"
-    from tokenizers import Tokenizer
-
-    try:
-        return Tokenizer.from_file(str(path)), "decoded prompt ids + stored output_text"
-    except Exception as exc:  # a corrupt file must not stop the export: text is optional
-        return None, f"omitted: {path} does not load ({exc})"
-
-
-class SpeculatorsBuilder:
-    """Token-level rows: prompt + output ids, a loss mask on the output, and metadata.
-
-    ``text`` is the prompt ids decoded with special tokens kept (so it shows the chat
-    template the model saw) followed by the stored ``output_text`` (which the worker
-    decoded without special tokens). It is for reading; ``input_ids`` and ``loss_mask``
-    are the training data. Without the dataset's ``tokenizer.json`` on disk the key is
-    left out rather than filled with half the text.
-    """
-
-    def __init__(self, ds: DatasetRow) -> None:
-        self.ds = ds
-        self.decoder, self.text_note = _prompt_decoder(ds)
-        self.sampling = dataset_sampling(ds)
-
-    def build(self, row: ExportRow) -> dict[str, Any] | LeftOut:
-        if row.input_ids is None:
-            return LeftOut("missing_prompt", "no prompt row: its input ids are unknown")
-        if not row.output_ids:
-            return LeftOut("empty_output", f"finish {row.finish_reason} with no tokens")
-        record: dict[str, Any] = {
-            "id": row.sample_id,
-            "primary_id": self.primary_id(row),
-            "input_ids": row.input_ids + row.output_ids,
-            "loss_mask": [0] * len(row.input_ids) + [1] * len(row.output_ids),
-        }
-        if self.decoder is not None:
-            prompt = self.decoder.decode(row.input_ids, skip_special_tokens=False)
-            record["text"] = prompt + row.output_text
-        record["metadata"] = {
-            "finish_reason": row.finish_reason,
-            "usage": {"prompt_tokens": row.prompt_tokens,
-                      "completion_tokens": row.completion_tokens,
-                      "total_tokens": row.prompt_tokens + row.completion_tokens},
-            "model": row.model,
-            **sent(row, self.sampling, "sampling_params"),
-            "dataset": row.dataset,
-            "sample_id": row.sample_id,
-        }
-        return record
-
-    def primary_id(self, row: ExportRow) -> str:
-        """The line a row comes from, as speculators keys its conversations: the same for
-        every turn of a conversation and every generation of a line."""
-        unit = row.conversation or row.sample_id
-        return line_id(unit) if self.ds.generations > 1 else unit
 
 
 class ParquetBuilder:
@@ -268,6 +44,8 @@ class ParquetBuilder:
 
     ``finish_detail`` is free-form JSON, so it is kept as JSON text.
     """
+
+    answers = False
 
     def build(self, row: ExportRow) -> dict[str, Any] | LeftOut:
         detail = row.finish_detail
@@ -298,7 +76,7 @@ AnyBuilder = SpecForgeBuilder | SpeculatorsBuilder | ParquetBuilder
 
 
 # What a row of each format may be, its default first; a parquet row is a stored result.
-_ROWS_OF = {"specforge": ROWS, "speculators": ("turn",), "parquet": ()}
+_ROWS_OF = {"specforge": ROWS, "speculators": ("turn", "conversation"), "parquet": ()}
 
 
 def rows_for(fmt: str, rows: str | None) -> str | None:
@@ -317,20 +95,28 @@ def builder_notes(builder: AnyBuilder) -> dict[str, str]:
     return {"text": builder.text_note} if isinstance(builder, SpeculatorsBuilder) else {}
 
 
-def conversation_ends(store: Store, ds: DatasetRow, upto_id: int) -> dict[str, int] | None:
-    """Each conversation's last stored turn, for a dataset regenerated turn by turn."""
-    return latest_turns(store, ds.name, upto_id) if ds.turns == "all" else None
+def conversation_ends(store: Store, ds: DatasetRow, upto_id: int, fmt: str
+                      ) -> dict[str, int] | None:
+    """Each conversation's last stored turn, for a dataset regenerated turn by turn; for
+    SpecForge, the last whose tool calls, if any, are stored parsed."""
+    if ds.turns != "all":
+        return None
+    return latest_turns(store, ds.name, upto_id, parsed_calls=fmt == "specforge")
 
 
 def make_builder(fmt: str, ds: DatasetRow, latest: Mapping[str, int] | None = None,
-                 rows: str | None = None) -> AnyBuilder:
-    """``latest``: each conversation's last stored turn, for SpecForge's one row per
-    conversation. ``rows``: ``--rows``, checked by ``rows_for``."""
+                 rows: str | None = None, trust_remote_code: bool = False,
+                 shared: frozenset[str] = frozenset()) -> AnyBuilder:
+    """``latest``: each conversation's last stored turn, for one row per conversation.
+    ``rows``: ``--rows``, checked by ``rows_for``. ``trust_remote_code``: the dataset's
+    tokenizer may be loaded by running its code (speculators conversation rows).
+    ``shared``: the lines other datasets of the export hold too (ops/export_ids.py)."""
     rows = rows_for(fmt, rows)
     if fmt == "specforge":
-        return SpecForgeBuilder(ds, latest, rows or "conversation")
+        return SpecForgeBuilder(ds, latest, rows or "conversation", RowIds(ds, shared))
     if fmt == "speculators":
-        return SpeculatorsBuilder(ds)
+        return SpeculatorsBuilder(ds, latest, rows or "turn", trust_remote_code,
+                                  RowIds(ds, shared))
     if fmt == "parquet":
         return ParquetBuilder()
     raise ConfigError(f"unknown export format {fmt!r}; use one of {', '.join(FORMATS)}")

@@ -53,14 +53,34 @@ class ExportRow:
     sampling: dict[str, Any] | None = None  # the sampling_params sent; None if not stored
     template_kwargs: dict[str, Any] | None = None  # chat template arguments drawn
     kept: bool | None = None  # an answer the exports keep (common.kept); None: stored before
+    # The turn's own answer as its successor's prompt stores it (with the tool calls the
+    # server parsed from it), when that prompt was built; read only when asked for.
+    answer: dict[str, Any] | None = None
+    next_error: str | None = None  # why its successor was not built, if it was not
 
 
 RESULT_COLUMNS: tuple[str, ...] = tuple(c.name for c in results.columns)
+_NEXT_INPUTS = prompt_inputs.alias("next_inputs")
+_NEXT_PROMPTS = prompts.alias("next_prompts")
 
 
-def _select() -> sa.Select[Any]:
+def _with_answers(q: sa.Select[Any]) -> sa.Select[Any]:
+    """``q`` with each turn's successor: its prompt messages (which hold the turn's own
+    answer) and its error."""
+    nxt, nxt_p = _NEXT_INPUTS, _NEXT_PROMPTS
+    return q.add_columns(nxt.c.messages.label("next_messages"),
+                         nxt_p.c.error.label("next_error")).outerjoin(
+        nxt, sa.and_(nxt.c.dataset == results.c.dataset,
+                     nxt.c.conversation == prompt_inputs.c.conversation,
+                     nxt.c.turn == prompt_inputs.c.turn + 1),
+    ).outerjoin(nxt_p, sa.and_(nxt_p.c.dataset == nxt.c.dataset,
+                               nxt_p.c.sample_id == nxt.c.sample_id))
+
+
+def _select(answers: bool = False) -> sa.Select[Any]:
+    """Results with their prompts; ``answers``: and each turn's own answer as stored."""
     # LEFT JOINs: a result whose prompt rows are missing must still be seen and accounted.
-    return sa.select(
+    q = sa.select(
         results,
         prompt_inputs.c.messages,
         prompt_inputs.c.input_ids,
@@ -80,11 +100,16 @@ def _select() -> sa.Select[Any]:
                     prompts.c.sample_id == results.c.sample_id),
         )
     )
+    return _with_answers(q) if answers else q
 
 
 def _row(r: sa.Row[Any]) -> ExportRow:
     values = r._asdict()
     values["created_at"] = as_utc(values["created_at"])
+    following = values.pop("next_messages", None)
+    prompt = values["messages"]
+    if following and prompt is not None and len(following) > len(prompt):
+        values["answer"] = following[len(prompt)]  # common.conversation.next_turn
     return ExportRow(**values)
 
 
@@ -110,10 +135,12 @@ def result_counts(store: Store) -> dict[str, int]:
         return {name: int(n) for name, n in conn.execute(q)}
 
 
-def iter_rows(store: Store, dataset: str, upto_id: int) -> Iterator[ExportRow]:
-    """Every result of ``dataset`` up to ``upto_id``, oldest first, streamed in batches."""
+def iter_rows(store: Store, dataset: str, upto_id: int, answers: bool = False
+              ) -> Iterator[ExportRow]:
+    """Every result of ``dataset`` up to ``upto_id``, oldest first, streamed in batches;
+    ``answers``: with each turn's own answer as stored (``ExportRow.answer``)."""
     q = (
-        _select()
+        _select(answers)
         .where(results.c.dataset == dataset, results.c.id <= upto_id)
         .order_by(results.c.id)
     )
@@ -124,7 +151,8 @@ def iter_rows(store: Store, dataset: str, upto_id: int) -> Iterator[ExportRow]:
             yield original(_row(r))
 
 
-def lookup_rows(store: Store, dataset: str, sample_ids: Sequence[str]) -> dict[str, ExportRow]:
+def lookup_rows(store: Store, dataset: str, sample_ids: Sequence[str], answers: bool = False
+                ) -> dict[str, ExportRow]:
     """The results of these sample ids (those stored), keyed by sample id."""
     found: dict[str, ExportRow] = {}
     original = OriginalText(store, dataset)
@@ -132,7 +160,8 @@ def lookup_rows(store: Store, dataset: str, sample_ids: Sequence[str]) -> dict[s
     with store.engine.connect() as conn:
         for start in range(0, len(unique), LOOKUP_CHUNK):
             chunk = unique[start : start + LOOKUP_CHUNK]
-            q = _select().where(results.c.dataset == dataset, results.c.sample_id.in_(chunk))
+            q = _select(answers).where(results.c.dataset == dataset,
+                                       results.c.sample_id.in_(chunk))
             for r in conn.execute(q):
                 row = original(_row(r))
                 found[row.sample_id] = row

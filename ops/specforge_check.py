@@ -25,6 +25,17 @@ variants, so that a row passing here passes every one of them:
   ``<channel|>``, ``<|think|>``, from fscdc@5ca8fa8f) in assistant content or reasoning,
   case-insensitively.
 
+Tool conversations go further than that checker. It takes no ``tool`` message at all
+(sgl-project/SpecForge at a6b6b023 too), while SpecForge's trainer reads them
+(``specforge/data/parse.py``: ``tool_calls`` and ``tools`` kept, a ``tool`` message after
+an assistant or another tool message, an assistant after a user or tool message). A row
+holding tool calls is checked here by those rules: a ``tool`` message follows an
+assistant message that called tools (``tool_calls``) or another ``tool`` message, the
+assistant answers after it, and an assistant message that called tools may have empty
+``content``; every other rule is the checker's. A row without tool calls or tool
+messages is checked exactly as upstream checks it; upstream's own script still rejects
+a row with a ``tool`` message.
+
 The upstream file-level rules differ from datagen's on purpose: upstream rejects a file
 with no rows and allows duplicate ids; ``datagen validate`` reports the first as a note
 and the second as a mismatch.
@@ -42,20 +53,34 @@ def has_think_marker(text: str) -> bool:
     return any(marker in lowered for marker in THINK_MARKERS)
 
 
+def _calls(message: dict[str, Any]) -> bool:
+    return message.get("role") == "assistant" and bool(message.get("tool_calls"))
+
+
 def _message_error(index: int, message: Any) -> str | None:
     if not isinstance(message, dict):
         return f"message {index} must be an object"
     content = message.get("content")
-    if not isinstance(content, str) or not content.strip():
+    if not isinstance(content, str) or not (content.strip() or _calls(message)):
         return f"message {index} content must be a non-empty string"
     return None
+
+
+def _next_roles(message: dict[str, Any]) -> set[str]:
+    """The roles that may follow ``message`` (upstream: user and assistant alternate)."""
+    role = message.get("role")
+    if role == "user":
+        return {"assistant"}
+    if role == "tool":
+        return {"tool", "assistant"}
+    return {"user", "tool"} if _calls(message) else {"user"}
 
 
 def conversation_error(messages: Any) -> str | None:
     """The first rule ``messages`` breaks, in upstream's words, or None."""
     if not isinstance(messages, list) or not messages:
         return "conversations must be a non-empty list"
-    expected, saw_user = "user", False
+    expected, saw_user = {"user"}, False
     for index, message in enumerate(messages):
         error = _message_error(index, message)
         if error is not None:
@@ -63,12 +88,13 @@ def conversation_error(messages: Any) -> str | None:
         role = message.get("role")
         if role == "system" and not saw_user:
             continue
-        if role not in {"user", "assistant"}:
+        if role not in {"user", "assistant", "tool"} or (role == "tool" and not saw_user):
             return f"message {index} has unsupported role {role!r}"
-        if role != expected:
-            return f"message {index} expected role {expected!r}, got {role!r}"
+        if role not in expected:
+            want = " or ".join(repr(r) for r in sorted(expected))
+            return f"message {index} expected role {want}, got {role!r}"
         saw_user = True
-        expected = "assistant" if role == "user" else "user"
+        expected = _next_roles(message)
     return None if saw_user else "conversation has no user message"
 
 

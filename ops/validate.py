@@ -9,7 +9,9 @@ and, per dataset, the newest result the export read and what it left out. For ea
   ``specforge`` (reimplemented in :mod:`ops.specforge_check`, which names the upstream
   file and commit it mirrors), a 0s-then-1s loss mask for ``speculators``, datagen's
   schema for ``parquet``;
-* no id appears twice;
+* no id appears twice, in a file or across the export's files; the lines several
+  datasets hold, found again from SQL, are those whose ids the export prefixed with
+  their dataset (ops/export_ids.py), as many as the manifest's ``shared_lines``;
 * every record equals the one export builds from SQL now, field by field (so
   ``input_ids``/``output_ids`` are the stored prompt and output ids exactly, and the
   mask matches the prompt length), and names a stored result;
@@ -19,7 +21,8 @@ and, per dataset, the newest result the export read and what it left out. For ea
   with ``--allow-empty``; and an export whose files hold no row at all while SQL holds
   results always fails: there is nothing in it to train on.
 
-Memory holds the set of ids seen in one file (to find duplicates and what is missing);
+Memory holds the set of ids seen in one file (to find duplicates and what is missing),
+the ids of every file read (to find one repeated across files), and the shared lines;
 records and SQL rows are streamed. Exit 1 on any mismatch, 0 when clean.
 """
 
@@ -29,6 +32,7 @@ import argparse
 import json
 from collections import Counter
 from collections.abc import Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -38,8 +42,10 @@ from common.services import safe_url
 from common.settings import Settings
 from common.store import Store
 from ops.argtypes import add_quiet_flag
-from ops.export_formats import FORMATS, LeftOut, conversation_ends, make_builder
+from ops.export_formats import FORMATS, conversation_ends, make_builder
+from ops.export_ids import shared_lines
 from ops.export_io import LEGACY_MANIFEST, MANIFEST, read_records
+from ops.export_record import LeftOut
 from ops.export_rows import LOOKUP_CHUNK, count_results, iter_rows, lookup_rows, snapshot_id
 from ops.validate_checks import MAX_SHOWN, Findings, describe_diff, record_id, shape_error
 
@@ -72,20 +78,50 @@ def load_manifest(directory: Path) -> dict[str, Any]:
     return doc
 
 
+@dataclass
+class ExportFacts:
+    """What the checks of one export's datasets share: its manifest's choices, and the
+    id of every record read so far, with its dataset (ids are unique across files)."""
+
+    directory: Path
+    fmt: str
+    rows: str | None = None
+    allow_empty: bool = False
+    trust_remote_code: bool = False
+    shared: frozenset[str] = frozenset()  # lines whose rows' ids hold their dataset
+    ids: dict[str, str] = field(default_factory=dict)
+
+
+def export_facts(store: Store, directory: Path, doc: dict[str, Any],
+                 trust_remote_code: bool) -> ExportFacts:
+    """The facts of the export ``doc`` describes. The lines several of its datasets hold
+    are found again from SQL, up to its bounds; an export written before ids were made
+    unique across datasets (no ``shared_lines``) prefixed none."""
+    fmt, shared = doc["format"], frozenset[str]()
+    if "shared_lines" in doc and fmt != "parquet":
+        upto = {name: int(entry.get("upto_result_id", 0))
+                for name, entry in doc["datasets"].items()}
+        shared = shared_lines(store, [store.dataset(name) for name in upto], upto)
+    return ExportFacts(directory, fmt, doc.get("rows"), doc.get("allow_empty") is True,
+                       trust_remote_code, shared)
+
+
 class DatasetCheck:
     """One dataset's file checked against SQL; mismatches go to the shared findings."""
 
-    def __init__(self, store: Store, directory: Path, fmt: str, name: str,
-                 entry: dict[str, Any], findings: Findings, allow_empty: bool = False,
-                 progress: ProgressBar | None = None, rows: str | None = None) -> None:
-        self.store, self.fmt, self.name, self.entry = store, fmt, name, entry
+    def __init__(self, store: Store, export: ExportFacts, name: str, entry: dict[str, Any],
+                 findings: Findings, progress: ProgressBar | None = None) -> None:
+        self.store, self.fmt, self.name, self.entry = store, export.fmt, name, entry
+        self.export = export
         self.progress = progress or ProgressBar("validate", "rows", None, quiet=True)
-        self.allow_empty = allow_empty
+        self.allow_empty = export.allow_empty
         # Only a file name: a manifest must not point validate outside the export.
-        self.path = directory / Path(str(entry.get("file", ""))).name
+        self.path = export.directory / Path(str(entry.get("file", ""))).name
         self.upto = int(entry.get("upto_result_id", 0))
         ds = store.dataset(name)
-        self.builder = make_builder(fmt, ds, conversation_ends(store, ds, self.upto), rows)
+        self.builder = make_builder(self.fmt, ds, conversation_ends(store, ds, self.upto,
+                                                                    self.fmt),
+                                    export.rows, export.trust_remote_code, export.shared)
         self.findings = findings
         self.seen: set[str] = set()
         self.records = 0
@@ -142,6 +178,7 @@ class DatasetCheck:
         shape = shape_error(self.fmt, self.builder, record)
         if shape is not None:
             self.findings.mismatch(shape[0], f"{self._where(where)}: {shape[1]}")
+        self._unique_across_files(where, record.get("id"))
         sid = record_id(self.fmt, self.builder, record)
         if sid is None:
             self.findings.mismatch("no-id", f"{self._where(where)}: no string id")
@@ -152,8 +189,19 @@ class DatasetCheck:
             self.seen.add(sid)
             pending.append((where, sid, record))
 
+    def _unique_across_files(self, where: str, written: Any) -> None:
+        """An id another dataset's file of the export also holds (a file's own repeats
+        are found by sample id)."""
+        if not isinstance(written, str) or self.fmt == "parquet":
+            return
+        other = self.export.ids.setdefault(written, self.name)
+        if other != self.name:
+            self.findings.mismatch("duplicate-id", f"{self._where(where)}: id {written!r} "
+                                   f"is also an id of {other}'s file")
+
     def _against_sql(self, pending: Pending) -> None:
-        rows = lookup_rows(self.store, self.name, [sid for _, sid, _ in pending])
+        rows = lookup_rows(self.store, self.name, [sid for _, sid, _ in pending],
+                           self.builder.answers)
         for where, sid, record in pending:
             row = rows.get(sid)
             if row is None or row.id > self.upto:
@@ -182,7 +230,7 @@ class DatasetCheck:
     def _check_sql(self) -> tuple[int, Counter[str]]:
         results, left_out = 0, Counter[str]()
         self.progress.label(f"{self.name} SQL")
-        for row in iter_rows(self.store, self.name, self.upto):
+        for row in iter_rows(self.store, self.name, self.upto, self.builder.answers):
             results += 1
             self.progress.advance()
             if row.sample_id in self.seen:
@@ -247,11 +295,14 @@ def run_validate(args: argparse.Namespace, settings: Settings) -> int:
     if doc.get("database_url") != safe_url(settings.database_url):
         print(f"note: the export was made from {doc.get('database_url')}")
     findings = Findings()
-    allow_empty = doc.get("allow_empty") is True
+    export = export_facts(store, directory, doc, settings.trust_remote_code)
+    if "shared_lines" in doc and doc["shared_lines"] != len(export.shared):
+        findings.mismatch("counts", f"the manifest says {doc['shared_lines']} lines are held "
+                          f"by several datasets, SQL has {len(export.shared)}")
     progress = ProgressBar("validate", "rows", 0, quiet=args.quiet,
                            every_s=settings.progress_every_s)
-    checks = [DatasetCheck(store, directory, fmt, name, doc["datasets"][name], findings,
-                           allow_empty, progress, doc.get("rows")) for name in names]
+    checks = [DatasetCheck(store, export, name, doc["datasets"][name], findings, progress)
+              for name in names]
     for check in checks:
         progress.grow(check.work())
     with progress:

@@ -7,7 +7,8 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
-from ops.export_formats import SpecForgeBuilder
+from ops.export_specforge import SpecForgeBuilder
+from ops.export_speculators import SpeculatorsBuilder
 from ops.specforge_check import row_error
 
 MAX_SHOWN = 20
@@ -33,15 +34,18 @@ class Findings:
 
 
 def record_id(fmt: str, builder: Any, record: dict[str, Any]) -> str | None:
-    """The stored sample a record names (a SpecForge turn row: by its source and turn)."""
-    if isinstance(builder, SpecForgeBuilder):
+    """The stored sample a record names (a SpecForge turn row: by its source and turn;
+    an id the export prefixed with its dataset: without it)."""
+    if isinstance(builder, SpecForgeBuilder | SpeculatorsBuilder):
         return builder.sample_id_of(record)
     sid = record.get("sample_id" if fmt == "parquet" else "id")
     return sid if isinstance(sid, str) else None
 
 
-def mask_error(record: dict[str, Any]) -> str | None:
-    """A speculators loss mask must be 0s over the prompt then 1s over the output."""
+def mask_error(record: dict[str, Any], conversation: bool = False) -> str | None:
+    """A speculators loss mask must be 0s over the prompt then 1s over the output; a
+    conversation row's prompt may hold runs of 1s too (its own earlier answers), and
+    starts with 0s (the template's opening, the first user message)."""
     ids, mask = record.get("input_ids"), record.get("loss_mask")
     if not isinstance(ids, list) or not isinstance(mask, list):
         return "input_ids and loss_mask must be lists"
@@ -49,6 +53,9 @@ def mask_error(record: dict[str, Any]) -> str | None:
         return f"loss_mask has {len(mask)} entries for {len(ids)} input_ids"
     if any(bit not in (0, 1) or isinstance(bit, bool) for bit in mask):
         return "loss_mask holds values other than 0 and 1"
+    if conversation:
+        return None if mask and mask[0] == 0 and mask[-1] == 1 else \
+            "loss_mask does not start with 0 (the prompt) and end with 1 (the output)"
     ones = mask.count(1)
     if ones == 0 or mask[len(mask) - ones :] != [1] * ones:
         return "loss_mask is not 0s over the prompt followed by 1s over the output"
@@ -61,7 +68,7 @@ def shape_error(fmt: str, builder: Any, record: dict[str, Any]) -> tuple[str, st
         error = row_error(record, **builder.expectations(record))
         return None if error is None else ("specforge-checker", error)
     if fmt == "speculators":
-        error = mask_error(record)
+        error = mask_error(record, getattr(builder, "rows", None) == "conversation")
         return None if error is None else ("loss-mask", error)
     return None
 

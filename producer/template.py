@@ -292,6 +292,15 @@ class ChatTemplater:
         """Text of ids with special tokens kept: tool-call markers often are special."""
         return str(self._tok.decode(list(ids), skip_special_tokens=False))
 
+    def text_decoder(self) -> Callable[[Sequence[int]], str]:
+        """``decode_all`` at its fastest: the Rust backend's own decode where there is one
+        (no clean-up of spaces, so rendered text comes back as rendered), for callers that
+        decode a few ids at a time over a whole prompt."""
+        backend = self._backend
+        if backend is None:
+            return self.decode_all
+        return lambda ids: str(backend.decode(list(ids), skip_special_tokens=False))
+
     def split_reasoning(self, text: str) -> tuple[str, str]:
         """(reasoning_content, content) of a completion generated after the prompt.
 
@@ -301,3 +310,14 @@ class ChatTemplater:
         """
         reasoning, content, _cut = split_reasoning(text, self.reasoning_close)
         return reasoning, content
+
+
+def dataset_templater(name: str, tokenizer: str, kwargs: dict[str, Any] | None,
+                      template_hash: str, trust_remote_code: bool) -> ChatTemplater:
+    """The templater a dataset's prompts were made with, or ConfigError when the tokenizer
+    found at ``tokenizer`` now renders with another template (or kwargs)."""
+    found = ChatTemplater(tokenizer, kwargs, trust_remote_code)
+    if found.template_hash != template_hash:
+        raise ConfigError(f"dataset {name}: the tokenizer at {tokenizer} has another chat "
+                          "template (or kwargs) than the one its prompts were made with")
+    return found

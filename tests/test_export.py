@@ -26,9 +26,10 @@ from common.settings import Settings
 from common.store import DatasetRow, Store
 from ops import export_rows
 from ops.export import DatasetExport, add_export_parser, run_export, write_rows
-from ops.export_formats import SpecForgeBuilder, SpeculatorsBuilder
 from ops.export_io import ParquetSink, Sink, parquet_schema
 from ops.export_rows import BATCH_ROWS, ExportRow
+from ops.export_specforge import SpecForgeBuilder
+from ops.export_speculators import SpeculatorsBuilder
 from ops.specforge_check import row_error
 from ops.validate import add_validate_parser, run_validate
 from tests.conftest import REDIS_URL, _fresh_postgres, make_settings
@@ -513,11 +514,31 @@ def _conv(*turns: tuple[str, str]) -> dict[str, Any]:
     return {"id": "x", "status": "success", "conversations": msgs}
 
 
+_CALL = [{"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]
+
+
+def _calling(*turns: tuple[str, str]) -> dict[str, Any]:
+    """A row whose first assistant message called a tool."""
+    row = _conv(*turns)
+    next(m for m in row["conversations"] if m["role"] == "assistant")["tool_calls"] = _CALL
+    return row
+
+
 @pytest.mark.parametrize(("row", "error"), [
     (_conv(("system", "s"), ("user", "u"), ("assistant", "a")), None),
     (_conv(("user", "u"), ("assistant", "a"), ("user", "u2"), ("assistant", "b")), None),
     (_conv(("user", "u"), ("system", "s"), ("assistant", "a")), "unsupported role 'system'"),
-    (_conv(("user", "u"), ("tool", "t"), ("assistant", "a")), "unsupported role 'tool'"),
+    (_conv(("user", "u"), ("tool", "t"), ("assistant", "a")), "expected role 'assistant'"),
+    (_conv(("system", "s"), ("tool", "t"), ("user", "u")), "unsupported role 'tool'"),
+    (_conv(("user", "u"), ("assistant", "a"), ("tool", "t")), "expected role 'user'"),
+    # SpecForge's trainer reads tool turns: after an answer that called tools, as SQL has it.
+    (_calling(("user", "u"), ("assistant", ""), ("tool", "t"), ("tool", "t2"),
+              ("assistant", "a")), None),
+    (_calling(("user", "u"), ("assistant", "a"), ("user", "u2"), ("assistant", "b")), None),
+    (_calling(("user", "u"), ("assistant", ""), ("tool", " "), ("assistant", "a")),
+     "message 2 content must be a non-empty string"),
+    (_calling(("user", "u"), ("assistant", "a"), ("tool", "t"), ("user", "u2")),
+     "expected role 'assistant' or 'tool'"),
     (_conv(("user", "u"), ("user", "v"), ("assistant", "a")), "expected role 'assistant'"),
     (_conv(("assistant", "a"),), "expected role 'user'"),
     (_conv(("user", "u"), ("assistant", " ")), "content must be a non-empty string"),
@@ -532,7 +553,7 @@ def test_specforge_checker_rules(row: dict[str, Any], error: str | None) -> None
 
 
 def test_multi_turn_prompts_pass_the_checker_with_empty_earlier_reasoning() -> None:
-    from ops.export_formats import _prompt_turn
+    from ops.export_specforge import _prompt_turn
     from ops.specforge_check import row_error
 
     prompt = [{"role": "user", "content": "fix the bug"},
@@ -552,7 +573,8 @@ def test_the_sample_cut_to_the_budget_is_no_specforge_answer() -> None:
 
     from common.budget import Budget
     from common.store import DatasetRow
-    from ops.export_formats import LeftOut, make_builder
+    from ops.export_formats import make_builder
+    from ops.export_record import LeftOut
     from ops.export_rows import ExportRow
 
     ds = DatasetRow("d", Budget(100, policy="exact"), {}, 4096, "", "h", reasoning_open="<think>")

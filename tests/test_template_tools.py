@@ -183,8 +183,9 @@ def test_specforge_rows_keep_every_prompt_field_and_the_tools() -> None:
 
     from common.budget import Budget
     from common.store import DatasetRow
-    from ops.export_formats import LeftOut, SpecForgeBuilder, _prompt_turn
+    from ops.export_record import LeftOut
     from ops.export_rows import ExportRow
+    from ops.export_specforge import SpecForgeBuilder, _prompt_turn
 
     ds = DatasetRow("d", Budget(), {}, 4096, "/no/such/tokenizer", "h", reasoning_open=None)
     builder = SpecForgeBuilder(ds)

@@ -169,6 +169,45 @@ def test_tool_turns_splice_the_lines_results_after_matching_calls(
     assert main(["status", "--json"]) == 0
     [row] = json.loads(capsys.readouterr().out)["datasets"]
     assert row["conversations"]["tools_differ"] == 3
+    _check_specforge_tool_calls(hf, by, tmp_path)
+    _check_speculators_tool_conversations(hf, by, tmp_path / "speculators")
+
+
+def _exported(out: Path, *flags: str) -> dict[str, dict[str, Any]]:
+    assert main(["export", "--format", "specforge", *flags, "--out", str(out)]) == 0
+    assert main(["validate", str(out)]) == 0  # SpecForge's rules, tool turns included
+    return {r["id"]: r for r in map(json.loads, (out / "agents.specforge.jsonl")
+                                    .read_text().splitlines())}
+
+
+def _check_specforge_tool_calls(hf: Any, by: dict[str, list[Any]], tmp_path: Path) -> None:
+    """SpecForge rows: each answer that called tools carries the model's own calls under
+    the line's call ids, its text as ``content``, the line's tool results after it; a
+    turn whose calls were not the line's is left out, and said why."""
+    rows = _exported(tmp_path / "conversations")
+    assert set(rows) == {f"{line['id']}#turn4" for line in AGENTS}
+    for line in AGENTS:
+        outputs = [list(r.output_ids) for r in by[line["id"]]]
+        originals = [m.get("tool_calls") or [] for m in line["messages"]
+                     if m["role"] == "assistant"]
+        want = [_own(hf, out, calls) for out, calls in zip(outputs, originals, strict=True)]
+        got = [m for m in rows[f"{line['id']}#turn4"]["conversations"]
+               if m["role"] == "assistant"]
+        assert [m.get("tool_calls") for m in got] == [w.get("tool_calls") for w in want]
+        assert [m["content"] for m in got] == [w["content"] for w in want]
+        roles = [m["role"] for m in rows[f"{line['id']}#turn4"]["conversations"]]
+        assert roles == ["user", "assistant", "tool", "assistant", "user", "assistant",
+                         "tool", "tool", "assistant"]
+    manifest = json.loads((tmp_path / "conversations" / "manifest.datagen").read_text())
+    assert manifest["datasets"]["agents"]["left_out"]["tool_calls_differ"] == len(DIFFERING)
+    # A row per turn: a turn that called tools ends its row with its own calls.
+    turns = _exported(tmp_path / "turns", "--rows", "turn")
+    assert set(turns) == {f"{line['id']}#turn{k}" for line in AGENTS for k in range(4)}
+    for line in AGENTS:
+        last = turns[f"{line['id']}#turn2"]["conversations"][-1]
+        assert [c["function"]["name"] for c in last["tool_calls"]] == ["get_weather", "search"]
+        assert [c["id"] for c in last["tool_calls"]] == [f"x{line['id'][1:]}",
+                                                         f"y{line['id'][1:]}"]
 
 
 def test_tool_calls_without_a_parser_are_refused_under_turns_all(
@@ -222,3 +261,30 @@ def test_the_agentic_example_runs_turn_by_turn(
     assert_invariants(store, Ledger(redis_client), ["tools"])
     counts = conversation_counts(store, "tools", closed=False)
     assert (counts.total, counts.complete, counts.tools_differ) == (10, 8, 2)
+
+
+def _check_speculators_tool_conversations(hf: Any, by: dict[str, list[Any]], out: Path) -> None:
+    """speculators ``--rows conversation`` of tool conversations: what is masked 1 in the
+    prompt is the model's own text and reasoning, never a call as the template renders
+    it nor a tool result; validate agrees with SQL."""
+    assert main(["export", "--format", "speculators", "--rows", "conversation",
+                 "--out", str(out)]) == 0
+    assert main(["validate", str(out)]) == 0
+    rows = {r["id"]: r for r in map(json.loads, (out / "agents.speculators.jsonl")
+                                    .read_text().splitlines())}
+    for line in AGENTS:
+        stored = by[line["id"]]
+        row = rows[f"{line['id']}#turn4"]
+        prompt = list(stored[-1].input_ids)
+        mask = row["loss_mask"][: len(prompt)]
+        own = [_own(hf, list(r.output_ids), []) for r in stored[:-1]]
+        pieces = [p for o in own for p in (o["reasoning_content"], o["content"]) if p]
+        runs, current = [], []
+        for token, bit in [*zip(prompt, mask, strict=True), (0, 0)]:
+            if bit:
+                current.append(token)
+            elif current:
+                runs.append(hf.decode(current, skip_special_tokens=False))
+                current = []
+        assert runs and all(any(run in p for p in pieces) for run in runs), runs
+        assert not any("RESULT-" in run or "<|call|>" in run for run in runs)

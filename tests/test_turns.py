@@ -180,6 +180,7 @@ def test_every_turn_is_regenerated_after_the_models_own_answers(
         monkeypatch.setenv(key, value)
     _check_specforge(store, tmp_path / "export", "talk", LINES)
     _check_specforge_turn_rows(store, tmp_path / "export", tmp_path / "turns", "talk")
+    _check_speculators_conversations(store, tmp_path / "speculators", "talk", hf)
 
 
 def _check_specforge(store: Store, out: Path, dataset: str, lines: list[dict[str, Any]]
@@ -247,6 +248,60 @@ def _check_specforge_turn_rows(store: Store, whole: Path, out: Path, dataset: st
     later = next(r for r in rows.values() if r["assistant_turn_index"] > 0)
     next(m for m in later["conversations"] if m["role"] == "assistant")["content"] += "!"
     (out / f"{dataset}.specforge.jsonl").write_text(
+        "".join(json.dumps(r) + "\n" for r in rows.values()))
+    assert main(["validate", str(out)]) == 1
+
+
+def _runs(ids: list[int], mask: list[int], bit: int, hf: Any) -> list[str]:
+    """The text of each run of ids masked ``bit``, special tokens kept."""
+    runs, current = [], []
+    for token, value in [*zip(ids, mask, strict=True), (None, 1 - bit)]:
+        if value == bit:
+            current.append(token)
+        elif current:
+            runs.append(hf.decode(current, skip_special_tokens=False))
+            current = []
+    return runs
+
+
+def _check_speculators_conversations(store: Store, out: Path, dataset: str, hf: Any) -> None:
+    """``speculators --rows conversation``: a row per conversation, its last stored turn's
+    prompt and output; every token masked 1 in the prompt is the model's own words, in
+    order, each earlier answer masked but for a token at its edges; every system and
+    user message lies whole in tokens masked 0; validate agrees with SQL."""
+    assert main(["export", "--format", "speculators", "--rows", "conversation",
+                 "--out", str(out)]) == 0
+    rows = {r["id"]: r for r in map(json.loads, (out / f"{dataset}.speculators.jsonl")
+                                    .read_text().splitlines())}
+    by = {c: [t for t in turns if t.output_ids is not None]
+          for c, turns in turn_rows(store, dataset).items()}
+    assert set(rows) == {f"{c}#turn{turns[-1].turn}" for c, turns in by.items()}
+    for conversation, turns in by.items():
+        last, row = turns[-1], rows[f"{conversation}#turn{turns[-1].turn}"]
+        assert row["primary_id"] == conversation
+        assert row["input_ids"] == last.input_ids + last.output_ids
+        prompt_ids, mask = last.input_ids, row["loss_mask"][: len(last.input_ids)]
+        assert row["loss_mask"][len(prompt_ids):] == [1] * len(last.output_ids)
+        own = [piece for t in turns[:-1]
+               for piece in (_thought(t.output_text), _answer(t.output_text)) if piece]
+        k = 0
+        for text in _runs(prompt_ids, mask, 1, hf):
+            while k < len(own) and text not in own[k]:
+                k += 1
+            assert k < len(own), (conversation, text)  # the model's own words, in order
+        masked = "".join(_runs(prompt_ids, mask, 1, hf))
+        for t in turns[:-1]:  # each earlier answer masked, but for its edge tokens
+            answer = _answer(t.output_text)
+            assert answer[12:-12] in masked, (conversation, t.turn)
+        zeros = _runs(prompt_ids, mask, 0, hf)
+        for message in last.messages:
+            if message["role"] != "assistant":
+                assert any(message["content"] in z for z in zeros), (conversation, message)
+    assert main(["validate", str(out)]) == 0
+    # A prompt token masked 1 that is no own answer is caught.
+    row = next(iter(rows.values()))
+    row["loss_mask"][1] = 1
+    (out / f"{dataset}.speculators.jsonl").write_text(
         "".join(json.dumps(r) + "\n" for r in rows.values()))
     assert main(["validate", str(out)]) == 1
 
@@ -353,6 +408,7 @@ def test_turns_with_a_code_tokenizer_whose_template_renders_earlier_reasoning(
     assert later and all("<think>" in hf.decode(r.input_ids).partition("<think>")[2]
                          for r in later)
     _check_specforge(store, tmp_path / "export", "coded", LINES)
+    _check_speculators_conversations(store, tmp_path / "speculators", "coded", hf)
 
 
 def test_a_next_turn_stored_but_not_published_is_sent_by_the_sweep_and_by_enqueue(

@@ -33,7 +33,7 @@ from common.publish import Publisher
 from common.rows import NewPrompt, ResultRow, allowance
 from common.sglang_client import SGLangClient
 from common.store import DatasetRow, Store
-from producer.template import ChatTemplater
+from producer.template import ChatTemplater, dataset_templater
 from workers.tool_turns import ToolsDiffer, parse_on_fleet, parse_text, tool_answer
 
 log = logging.getLogger(__name__)
@@ -56,11 +56,8 @@ class NextTurns:
         with self._lock:
             found = self._templaters.get(key)
             if found is None:
-                found = ChatTemplater(ds.tokenizer, ds.template_kwargs, self.trust_remote_code)
-                if found.template_hash != ds.template_hash:
-                    raise ConfigError(
-                        f"dataset {ds.name}: the tokenizer at {ds.tokenizer} has another chat "
-                        f"template (or kwargs) than the one its prompts were made with")
+                found = dataset_templater(ds.name, ds.tokenizer, ds.template_kwargs,
+                                          ds.template_hash, self.trust_remote_code)
                 self._templaters[key] = found
             return found
 
