@@ -19,12 +19,18 @@ more than what runs:
   queue's length, so a shorter queue would not retract less, only leave the server
   nothing to admit when KV frees (measured: cutting to the running count there cost the
   agentic shape 11% of its tok/s, `bench.concurrency`).
-* **Room left** (nothing waits, slots and KV free): the target is what the free slots,
-  or the free KV at the running requests' size, could still run, and a queue; but only
-  while the fleet fills the limit it has: a fleet short of work (a run's tail) gives no
-  evidence, and the limit holds.
+* **Room left** (nothing waits, slots and KV free): the target is what the free slots
+  could still run, or what the KV pool holds at twice the running requests' size if
+  fewer, and a queue; but only while the fleet fills the limit it has: a fleet short of
+  work (a run's tail) gives no evidence, and the limit holds. Twice, because a request
+  still grows: just admitted, it holds little more than its prompt. Read at their size
+  now, an empty pool of 6K-token prompts with 8K-token outputs to come has room for 26
+  where 13 run once it is full; the cohort admitted on that reading outgrew the pool
+  together and was retracted, and auto lost up to 18% of its tok/s to fixed 16
+  (measured, `bench.concurrency`).
 
-The limit moves by ``gain`` of the way to the target each step, and holds while the
+The limit moves by ``gain`` of the way to the target each step, at most doubling (the
+readings of what runs come before the whole of a first burst), and holds while the
 target is within ``deadband`` of it: that damping, and a target read from the server's
 running count rather than accumulated, are what keep it from oscillating.
 """
@@ -39,6 +45,8 @@ from common.server_loads import ServerLoad
 
 # Above this KV usage nothing more fits, whatever the running count.
 FULL_USAGE = 0.95
+# What a running request's KV is expected to grow to, as a multiple of what it holds now.
+GROWTH = 2
 # A worker's requests in flight at a server that publishes no load, under auto: the
 # fixed concurrency's old default.
 FALLBACK = 64
@@ -94,14 +102,14 @@ class AutoLimit:
 
     def room(self, state: LimitState, load: ServerLoad) -> int:
         """What the server could run: its free slots (no cap said: double the limit),
-        or as many more requests of the running ones' KV size as its free KV holds, if
-        fewer. A probe to every slot of a KV-bound server would queue requests there
-        that it cannot run for a long while."""
+        or, if fewer, as many requests as its KV pool holds at twice the running ones'
+        size. A request still grows (just admitted, it holds little more than its
+        prompt), so the running ones' KV now is no measure of what they will hold: a
+        probe to every slot of a KV-bound server, or to what its pool holds at their size
+        now, would admit a cohort that outgrows the pool together and is retracted."""
         room = load.max_running if load.max_running else load.running + state.limit
         if load.running and load.used_tokens and load.max_total_tokens:
-            per_request = load.used_tokens / load.running
-            free = max(0, load.max_total_tokens - load.used_tokens)
-            room = min(room, load.running + int(free / per_request))
+            room = min(room, load.running * load.max_total_tokens // (GROWTH * load.used_tokens))
         return max(room, load.running)
 
     def deadband(self, limit: int) -> int:
@@ -113,8 +121,8 @@ class AutoLimit:
         target = self.target(state, load)
         limit = state.limit
         if abs(target - limit) > self.deadband(limit):
-            limit += math.ceil(self.gain * (target - limit)) if target > limit else \
-                -math.ceil(self.gain * (limit - target))
+            limit += min(limit, math.ceil(self.gain * (target - limit))) if target > limit \
+                else -math.ceil(self.gain * (limit - target))
         ceiling = self.ceiling(load)
         if ceiling is not None:
             limit = min(limit, ceiling)

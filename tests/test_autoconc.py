@@ -113,11 +113,25 @@ def test_new_retractions_hold_the_limit_and_old_ones_do_not_count_again() -> Non
     assert CTRL.step(LimitState(40, 0, 5), reading(20, 20, retracted=3)).limit == 31
 
 
-def test_room_left_is_what_the_free_kv_holds_at_the_running_requests_size() -> None:
-    # 12 running of 10K KV tokens each, 39K free: 3 more fit, not the 36 free slots.
-    load = reading(12, used=120_000)
-    assert CTRL.room(LimitState(12, 0, 5), load) == 15
-    assert CTRL.step(LimitState(12, 0, 5), load).limit == 15  # half way to 15 + 2
+def test_the_limit_at_most_doubles_in_a_step() -> None:
+    # Short requests and a nearly empty pool: room for all 48 slots, reached by doubling,
+    # so that the first readings of what runs come before the whole burst.
+    limits, state = [], None
+    for running in (0, 2, 4, 8):
+        state = CTRL.step(state, reading(running, used=running * 800))
+        limits.append(state.limit)
+    assert limits == [2, 4, 8, 16]
+
+
+def test_room_left_is_what_the_kv_pool_holds_at_twice_the_running_requests_size() -> None:
+    # The agentic shape (6K-token prompts, 8K-token outputs, 159K KV tokens) at its start:
+    # 8 requests just prefilled hold 6K each. At that size the pool would hold 26, but
+    # they grow: at twice it, 13, what the shape keeps running once the pool is full.
+    start = reading(8, used=48_000)
+    assert CTRL.room(LimitState(8, 0, 3), start) == 13
+    assert CTRL.step(LimitState(8, 0, 3), start).limit == 12  # half way to 13 + 2
+    # 12 running of 10K each: no room for more than run now, and none is taken away.
+    assert CTRL.room(LimitState(12, 0, 5), reading(12, used=120_000)) == 12
     assert CTRL.room(LimitState(12, 0, 5), reading(12, used=1200)) == 48  # slots first
 
 
@@ -177,6 +191,42 @@ def test_the_gate_never_lets_more_than_the_limit_through(gate: Gate) -> None:
         t.join(10)
     assert len(held) == 6 and seen_max == {A: 2, B: 1}
     assert gate.inflight() == {A: 0, B: 0}
+
+
+def test_tasks_take_places_in_the_order_they_came() -> None:
+    """The order the messages came in (the dataset's order, next turns ahead) is the
+    order requests leave in, whether places free one by one or the limit rises."""
+    order: list[int] = []
+    lock = threading.Lock()
+    go = threading.Event()
+
+    def task(i: int) -> None:
+        with gate.slot(lambda: A):
+            with lock:
+                order.append(i)
+            go.wait(10)
+
+    gate = Gate((A,), fallback=1, ready_s=0.0)
+    gate.set_limits({A: 1})
+    first = threading.Thread(target=task, args=(0,))
+    first.start()
+    threads = [first]
+    for i in range(1, 9):
+        threads.append(threading.Thread(target=task, args=(i,)))
+        threads[-1].start()
+        deadline = time.monotonic() + 10
+        while gate.waiting() < i and time.monotonic() < deadline:
+            time.sleep(0.001)
+    assert gate.waiting() == 8 and order == [0]
+    gate.set_limits({A: 5})  # four places at once: the four that came first
+    deadline = time.monotonic() + 10
+    while gate.waiting() > 4 and time.monotonic() < deadline:
+        time.sleep(0.001)
+    assert order == [0, 1, 2, 3, 4]
+    go.set()  # every place frees: the rest, still in order
+    for t in threads:
+        t.join(10)
+    assert order == list(range(9))
 
 
 def test_a_place_is_given_back_once_even_on_error(gate: Gate) -> None:
