@@ -31,6 +31,12 @@ def turn_id(conversation: str, turn: int) -> str:
     return f"{conversation}{_TURN_MARK}{turn}"
 
 
+def is_turn_id(sample_id: str) -> bool:
+    """Whether the id has a turn's form (``turn_id``'s). A conversation's turns all do; a
+    line of a single turn keeps its own id, which has it only if the line's id does."""
+    return conversation_of(sample_id) != sample_id
+
+
 def conversation_of(sample_id: str) -> str:
     """The conversation a turn's sample id names (``turn_id``'s inverse); any other id
     as it is."""

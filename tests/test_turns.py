@@ -26,6 +26,7 @@ from common.keys import dataset_keys
 from common.ledger import Ledger
 from common.messages import sample_of
 from common.publish import Publisher
+from common.rows import ResultRow
 from common.schema import prompt_inputs, prompts, results
 from common.settings import Settings
 from common.store import Store
@@ -46,6 +47,7 @@ from tests.helpers import (
 )
 from workers.context import WorkerContext
 from workers.pipeline import Outcome, run_sample
+from workers.turns import NextTurns
 
 ORIGINAL = "ORIGINAL-ANSWER"
 
@@ -472,6 +474,23 @@ def test_turns_from_a_manifest_and_a_mode_kept_per_dataset(
     assert set(store.prompt_states("mixed")) == {"c2#turn1", "tooled"}
     with pytest.raises(ConfigError, match="--turns all"):
         enqueue_paths(settings, [str(path)], turns="last")
+
+    # The store step looks up the conversation of a turn, not of a single-turn line: a
+    # dataset of single turns (the default mode's usual case) costs its groups no query.
+    ds = store.dataset("mixed")
+    sent: list[str] = []
+    sa.event.listen(store.engine, "before_cursor_execute",
+                    lambda _c, _cur, statement, *_: sent.append(statement))
+    built = NextTurns(store, False).build([(ds, _stored_row("mixed", "tooled"))])
+    assert (built, sent) == ({}, [])
+    NextTurns(store, False).build([(ds, _stored_row("mixed", "c2#turn1"))])
+    assert len(sent) == 1 and "conversations" in sent[0]
+
+
+def _stored_row(dataset: str, sample_id: str) -> ResultRow:
+    return ResultRow(dataset=dataset, sample_id=sample_id, rid=sample_id, prompt_tokens=1,
+                     completion_tokens=1, finish_reason="stop", output_ids=[1],
+                     output_text="x", server="s", model="m")
 
 
 def test_a_redelivered_turn_publishes_its_next_and_a_failed_build_keeps_the_result(

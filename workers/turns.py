@@ -24,7 +24,14 @@ import logging
 import threading
 from collections.abc import Sequence
 
-from common.conversation import Message, next_turn, original_calls, own_answer, turn_id
+from common.conversation import (
+    Message,
+    is_turn_id,
+    next_turn,
+    original_calls,
+    own_answer,
+    turn_id,
+)
 from common.conversation_store import TurnContext, turn_contexts, turn_state
 from common.draws import seed_of
 from common.errors import ConfigError
@@ -67,8 +74,11 @@ class NextTurns:
         the model's whole answer; nor does one without an answer (cut off while still
         reasoning, or empty): no user replies to it, and SpecForge refuses an empty
         assistant turn. Its conversation ends there, partial."""
+        # Only ids of a turn's form are looked up: a single-turn line (the default
+        # dataset's every sample) costs its group no query.
         wanted = [(ds, row) for ds, row in kept
-                  if ds.turns == "all" and row.finish_reason != "budget"]
+                  if ds.turns == "all" and row.finish_reason != "budget"
+                  and is_turn_id(row.sample_id)]
         if not wanted:
             return {}
         contexts = turn_contexts(self.store, [row.key for _, row in wanted])
