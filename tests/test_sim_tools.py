@@ -170,3 +170,11 @@ def test_a_tool_call_parse_goes_to_another_server_when_one_is_down(code_sim: str
     with pytest.raises(ServerUnreachable):
         alone(f"<|calls|>{CALL}<|/calls|>", [WEATHER])
     assert asked == [down, down]
+
+    # Past its deadline, no further attempt starts: a server that hangs until its read
+    # timeout holds the turn's store once, not once per attempt.
+    asked.clear()
+    late = parse_on_fleet(parse_at, down, (down,), pauses_s=(0.01, 0.01), deadline_s=0.0)
+    with pytest.raises(ServerUnreachable):
+        late(f"<|calls|>{CALL}<|/calls|>", [WEATHER])
+    assert asked == [down]

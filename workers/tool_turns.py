@@ -39,28 +39,37 @@ Parse = Callable[[str, list[dict[str, Any]]], tuple[str, list[dict[str, Any]]]]
 # Pauses before asking the fleet again: short, as the turn's store (and the others of its
 # group commit) waits for the answer.
 PARSE_PAUSES_S = (0.5, 2.0)
+# No attempt starts later than this after the first: a server that hangs until its read
+# timeout must not hold the group for one timeout per attempt.
+PARSE_DEADLINE_S = 30.0
 
 
 def parse_on_fleet(parse_at: Callable[[str, str, list[dict[str, Any]]],
                                       tuple[str, list[dict[str, Any]]]],
                    first: str, servers: Sequence[str],
-                   pauses_s: Sequence[float] = PARSE_PAUSES_S) -> Parse:
+                   pauses_s: Sequence[float] = PARSE_PAUSES_S,
+                   deadline_s: float = PARSE_DEADLINE_S) -> Parse:
     """A Parse that asks ``first``, then the other servers, then all again after each of
-    ``pauses_s``, for as long as each fails for a passing reason; the last such error
-    when none answered. ``parse_at(server, text, tools)`` is one server's parse."""
+    ``pauses_s``, for as long as each fails for a passing reason and ``deadline_s`` has
+    not passed since the first attempt; the last such error when none answered.
+    ``parse_at(server, text, tools)`` is one server's parse."""
     order = [first, *(s for s in servers if s != first)]
 
     def parse(text: str, tools: list[dict[str, Any]]) -> tuple[str, list[dict[str, Any]]]:
-        last = TransientError(f"{first}: no server to parse tool calls", server=first)
+        last: TransientError | None = None
+        deadline = time.monotonic() + deadline_s
         for pause in (0.0, *pauses_s):
             time.sleep(pause)
             for server in order:
+                if last is not None and time.monotonic() > deadline:
+                    raise last
                 try:
                     return parse_at(server, text, tools)
                 except TransientError as exc:
                     log.warning("tool-call parse failed on %s (%s); asking another", server,
                                 exc)
                     last = exc
+        assert last is not None  # the first attempt always runs
         raise last
     return parse
 
