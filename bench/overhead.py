@@ -50,6 +50,7 @@ from bench.harness import (
 from bench.report import Summary, emit, table, verdict
 from bench.runs import Leg, bare_celery_leg, pipeline_leg
 from bench.synth import enqueue, prompt_files
+from common.budget import POLICIES, Budget
 from common.settings import Settings
 from ops.localredis import free_port
 
@@ -74,6 +75,9 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--baseline", type=Path, help="a checkout whose worker code to compare with")
     p.add_argument("--metrics", action="store_true",
                    help="a leg per database with /metrics served and scraped")
+    p.add_argument("--policy", choices=POLICIES, default="drain",
+                   help="the datasets' budget policy (default %(default)s: its requests are "
+                        "streamed, to learn when they start)")
     p.add_argument("--scrape-s", type=float, default=1.0,
                    help="seconds between scrapes in --metrics legs (default: %(default)s)")
     args = p.parse_args(argv)
@@ -104,7 +108,7 @@ def one_leg(procs: Processes, sim: tuple[str, int], args: argparse.Namespace, ki
           else kind.removesuffix(BASELINE_SUFFIX).removesuffix(METRICS_SUFFIX))
     fresh_redis()
     settings = bench_settings(fresh_db(db, tag=db), sim[0], args.concurrency)
-    enqueue(settings, prompt_files(n), max_new_tokens=1024)
+    enqueue(settings, prompt_files(n), Budget(policy=args.policy), max_new_tokens=1024)
     w = args.workers
     if kind == "bare":
         return bare_celery_leg(procs, "bare celery task", settings, sim, n, workers=w,

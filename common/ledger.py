@@ -252,10 +252,16 @@ class Ledger:
     def inflight_rids(self, name: str) -> list[str]:
         return texts(self.redis.hkeys(dataset_keys(name).inflight))
 
-    def mark_started(self, name: str, rid: str) -> None:
-        """The server has started this request (its first token came): a drain close lets
-        it run (common/closing.py)."""
-        self.redis.sadd(dataset_keys(name).started, rid)
+    def mark_started(self, marks: Sequence[tuple[str, str]]) -> None:
+        """The servers have started these requests, (dataset, rid) each (their first token
+        came): a drain close lets them run (common/closing.py). One round trip."""
+        by_dataset: dict[str, list[str]] = {}
+        for name, rid in marks:
+            by_dataset.setdefault(name, []).append(rid)
+        pipe = self.redis.pipeline(transaction=False)
+        for name, rids in by_dataset.items():
+            pipe.sadd(dataset_keys(name).started, *rids)
+        pipe.execute()
 
     def queued_rids(self, name: str) -> list[str]:
         """Requests in flight the server has not started: admitted, sent or about to be,

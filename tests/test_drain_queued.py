@@ -62,6 +62,9 @@ def test_a_drain_close_aborts_the_queued_requests_and_drains_the_running(
     with running_worker(settings, concurrency=12):
         wait_for(lambda: load(gpu_sim)["num_running_reqs"] == RUNNING
                  and load(gpu_sim)["num_waiting_reqs"] >= 8, 30, "requests queued")
+        # The running ones' started marks are written within workers/started.py's FLUSH_S.
+        wait_for(lambda: len(ledger.inflight_rids("dq")) - len(ledger.queued_rids("dq"))
+                 == RUNNING, 10, "the running ones marked started")
         ledger.close("dq", "manual")  # as `datagen purge` does, then the same after_close
         closed_at = time.time()
         after_close("dq", store=store, ledger=ledger, app=None,

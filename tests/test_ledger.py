@@ -286,7 +286,7 @@ def test_a_started_mark_ends_with_its_requests_inflight_entry(
     keys = dataset_keys("ds")
     for rid in ("r1", "r2"):
         assert ledger.admit("ds", rid, 100, 50) is Admission.ADMITTED
-        ledger.mark_started("ds", rid)
+    ledger.mark_started([("ds", "r1"), ("ds", "r2")])
     assert ledger.queued_rids("ds") == []
     if end == "release":
         ledger.release("ds", "r1")

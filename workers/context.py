@@ -29,6 +29,7 @@ from workers.grouping import LINGER_S, MAX_GROUP, GroupCall
 from workers.inflight import LiveRids
 from workers.metrics import WorkerMetrics
 from workers.results import ResultWriter
+from workers.started import StartedMarks
 from workers.turns import NextTurns
 
 log = logging.getLogger(__name__)
@@ -51,6 +52,7 @@ class WorkerContext:
     admissions: GroupCall[steps.AdmitItem, steps.Admitted] = field(init=False)
     settlements: GroupCall[steps.SettleItem, steps.Settled] = field(init=False)
     next_turns: NextTurns = field(init=False)
+    started: StartedMarks = field(init=False)  # drain's started marks
     live_rids: LiveRids = field(default_factory=LiveRids)
     gate: Gate | None = None  # concurrency auto's (workers/gate.py); None: fixed
     metrics: WorkerMetrics = field(default_factory=WorkerMetrics)
@@ -61,6 +63,7 @@ class WorkerContext:
 
     def __post_init__(self) -> None:
         self.results = ResultWriter(self.store)
+        self.started = StartedMarks(self.ledger.mark_started)
         self.next_turns = NextTurns(self.store, self.settings.trust_remote_code, self.client)
         self.metrics.threads.set(self.settings.threads)
         most = max(1, min(MAX_GROUP, self.settings.threads))

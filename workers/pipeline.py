@@ -7,6 +7,7 @@ the abort and exact policies it decides what is stored (nothing, or a cut output
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from collections.abc import Callable
@@ -126,27 +127,20 @@ def _generate(ctx: WorkerContext, prompt: PromptRow, server: str, rid: str,
         return Outcome.WAIT
     ds = ctx.dataset(prompt.dataset)
     # Under drain a close aborts the requests still queued on the server, so the request
-    # is streamed to learn when it starts (common/sglang_stream.py).
-    # Its mark goes with the rid's inflight entry, in the charge or the release.
-    on_start = _starter(ctx, ds.name, rid) if ds.budget.policy == "drain" else None
-    with ctx.metrics.request(prompt.dataset):
-        completion = ctx.client.generate(server, rid, prompt.input_ids,
-                                         sampling_params(ds, prompt), on_start)
+    # is streamed to learn when it starts (common/sglang_stream.py); its mark
+    # (workers/started.py) goes with the rid's inflight entry, in the charge or the release.
+    drain = ds.budget.policy == "drain"
+    on_start = functools.partial(ctx.started.mark, ds.name, rid) if drain else None
+    try:
+        with ctx.metrics.request(prompt.dataset):
+            completion = ctx.client.generate(server, rid, prompt.input_ids,
+                                             sampling_params(ds, prompt), on_start)
+    finally:
+        if drain:
+            ctx.started.forget(rid)
     if completion.finish_type == "abort":
         return _aborted(ctx, prompt.dataset, prompt.sample_id, rid, completion)
     return keep(ctx, ds, prompt.sample_id, completion, reasoning_closer(ds, prompt))
-
-
-def _starter(ctx: WorkerContext, dataset: str, rid: str) -> Callable[[], None]:
-    def mark() -> None:
-        """A started mark, best effort: Redis away must not fail the request. A mark
-        missing lets a drain close abort a running request (its partial output is not
-        kept)."""
-        try:
-            ctx.ledger.mark_started(dataset, rid)
-        except redis.RedisError as exc:
-            log.warning("started mark not written (%s)", exc)
-    return mark
 
 
 def keep(ctx: WorkerContext, ds: DatasetRow, sample_id: str, completion: Completion,
