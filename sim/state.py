@@ -73,16 +73,17 @@ class SimState:
     def _clock(self) -> dict[str, object]:
         """GPU mode: the simulated clock (passes and idle time), on which its throughput is
         measured; the seconds of its forward passes alone (what a real server's GPU would
-        spend); the output tokens decoded and the requests retracted. None in the fast
-        mode, which runs in real time."""
+        spend); the output tokens decoded, the requests retracted and the tokens computed
+        again for them. None in the fast mode, which runs in real time."""
         if not isinstance(self.engine, GpuEngine):
             return dict.fromkeys(("sim_clock_s", "simulated_s", "generated_tokens",
-                                  "retracted_reqs_total"))
+                                  "retracted_reqs_total", "recomputed_tokens_total"))
         clock_s, generated = self.engine.clock()
         stats = self.engine.sched.stats
         return {"sim_clock_s": clock_s, "simulated_s": stats.busy_s,
                 "generated_tokens": generated,
-                "retracted_reqs_total": stats.retracted_reqs_total}
+                "retracted_reqs_total": stats.retracted_reqs_total,
+                "recomputed_tokens_total": stats.recomputed_tokens_total}
 
 
 SIM_KEY: web.AppKey[SimState] = web.AppKey("sim", SimState)

@@ -17,6 +17,7 @@ import redis
 import sqlalchemy as sa
 
 from bench.__main__ import commands, parse
+from bench.concurrency import summary as concurrency_summary
 from bench.costs import RedisMonitor
 from bench.harness import (
     BUNDLED_TOKENIZER,
@@ -349,3 +350,24 @@ def test_the_prefix_cache_report_puts_the_legs_side_by_side() -> None:
     assert rows["prompt tokens prefilled (computed)"] == ["400", "1,000", "0.400"]
     assert rows["simulated GPU time, s"] == ["8", "10", "0.800"]
     assert rows["cache hit rate, turns 2-4"][:2] == ["0.750", "0.000"]
+
+
+def _leg(concurrency: int | str, tok_per_s: float, running: float = 30,
+         inflight: float = 36, at_close: int = 3) -> dict[str, object]:
+    return {"concurrency": concurrency, "tok_per_s": tok_per_s, "median_running": running,
+            "median_inflight": inflight, "inflight_at_close": at_close}
+
+
+def test_concurrency_compares_the_median_legs_of_each_concurrency() -> None:
+    # Fixed 64's lucky draw (350) is not its figure: the median of its three legs is.
+    legs = [_leg("auto", 335), _leg(16, 334, inflight=16), _leg(64, 350, inflight=64),
+            _leg(64, 330, inflight=64), _leg(64, 338, inflight=64),
+            _leg(16, 333, inflight=16), _leg("auto", 333, at_close=5),
+            _leg("auto", 337, running=31, inflight=38)]
+    s = concurrency_summary("agentic", legs)
+    assert s["medians"] == {"auto": 335, "16": 333.5, "64": 338}
+    assert (s["best_fixed"], s["best_fixed_tok_per_s"]) == (64, 338)
+    assert s["ratio"] == pytest.approx(335 / 338)
+    # In flight: auto's worst leg, against the most any leg kept running.
+    assert (s["auto_inflight"], s["auto_inflight_at_close"]) == (38, 5)
+    assert s["running_capacity"] == 31 and s["inflight_vs_capacity"] == pytest.approx(38 / 31)
