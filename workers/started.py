@@ -3,11 +3,10 @@
 A close under ``drain`` aborts the requests its servers have not started, which have
 produced nothing, and lets the started ones run (common/closing.py); a request's mark in
 its dataset's ``started`` set says it has started. One command per request put a Redis
-round trip, and a thread's wait for it, inside every request: a fifth of a worker's
-completions at full rate (``bench.overhead``, 0.668 against 0.818 of the bare task
-without it). Written together every ``FLUSH_S``, a mark is late by that at most, and a
-close in that window aborts a request that has just started: its first tokens, never
-kept, are all it loses.
+round trip, and a thread's wait for it, inside every request's stream, which at full
+rate cost a worker a tenth of its completions and more (docs/PERFORMANCE.md). Written
+together every ``FLUSH_S``, a mark is late by that at most, and a close in that window
+aborts a request that has just started: its first tokens, never kept, are all it loses.
 
 A mark must reach Redis before the script that removes its rid's inflight entry (the
 charge, or the release), which removes the mark with it: a mark written after that
