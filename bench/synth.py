@@ -85,8 +85,9 @@ def _text(rng: random.Random, words: list[str], tokens: float) -> str:
     return " ".join(out)
 
 
-def _conversation(rng: random.Random, words: list[str], median: int, turns: int) -> list[dict]:
-    total = min(MAX_PROMPT_TOKENS, rng.lognormvariate(math.log(median), SIGMA))
+def _conversation(rng: random.Random, words: list[str], median: int, turns: int,
+                  sigma: float = SIGMA) -> list[dict]:
+    total = min(MAX_PROMPT_TOKENS, rng.lognormvariate(math.log(median), sigma))
     per_turn = max(4.0, total / (2 * turns - 1))
     msgs = [{"role": "system", "content": _text(rng, words, 30)}] if turns > 1 else []
     for k in range(turns):
@@ -112,15 +113,16 @@ def prompt_files(total: int, seed: int = 0, id_prefix: str = "") -> Path:
 
 def write_dataset(folder: Path, name: str, n: int, median: int, turns: int = 1,
                   with_ids: bool = True, rng: random.Random | None = None,
-                  id_prefix: str = "") -> Path:
-    """``folder/name.jsonl`` with ``n`` synthetic conversations."""
+                  id_prefix: str = "", sigma: float = SIGMA) -> Path:
+    """``folder/name.jsonl`` with ``n`` synthetic conversations; their prompts' lengths
+    spread lognormally around ``median`` tokens (``sigma`` 0: all about ``median``)."""
     rng = rng or random.Random(name)
     words = _lexicon_cached()
     folder.mkdir(parents=True, exist_ok=True)
     path = folder / f"{name}.jsonl"
     with path.open("w", encoding="utf-8") as fh:
         for i in range(n):
-            line: dict = {"messages": _conversation(rng, words, median, turns)}
+            line: dict = {"messages": _conversation(rng, words, median, turns, sigma)}
             if with_ids:
                 line = {"id": f"{id_prefix}{name}-{i:06d}", **line}
             fh.write(json.dumps(line, ensure_ascii=False) + "\n")

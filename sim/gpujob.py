@@ -85,6 +85,9 @@ class StepStats:
     retracted_output_tokens_total: int = 0
     #: Tokens computed again because their KV was lost to a retraction.
     recomputed_tokens_total: int = 0
+    #: Prefill passes and their seconds: each one stops the running batch's decoding.
+    prefill_steps_total: int = 0
+    prefill_s_total: float = 0.0
     window: deque[tuple[int, float, int]] = field(
         default_factory=lambda: deque(maxlen=THROUGHPUT_WINDOW_STEPS)
     )
@@ -96,6 +99,8 @@ class StepStats:
         self.generated_tokens_total += step.tokens
         self.window.append((step.tokens, step.duration_s, len(step.retracted)))
         if step.kind == PREFILL:
+            self.prefill_steps_total += 1
+            self.prefill_s_total += step.duration_s
             self.prompt_hit_tokens_total += step.hit_tokens
             self.prompt_uncached_tokens_total += step.uncached_tokens
             seen = step.hit_tokens + step.uncached_tokens

@@ -14,6 +14,7 @@ from aiohttp import web
 from sim.config import SIM_VERSION
 from sim.responses import json_response
 from sim.state import SIM_KEY, SimState
+from sim.toolcalls import PARSER_NAME
 
 
 async def handle_ok(request: web.Request) -> web.Response:
@@ -33,8 +34,10 @@ def model_info(sim: SimState) -> dict[str, Any]:
         "preferred_sampling_params": None,
         "weight_version": "default",
         "load_format": "dummy",
-        "reasoning_parser": "qwen3" if cfg.tokenizer else None,
-        "tool_call_parser": None,
+        # The parsers /separate_reasoning and /parse_function_call accept (sim/parsers.py),
+        # as SGLang reports its --reasoning-parser and --tool-call-parser.
+        "reasoning_parser": PARSER_NAME if cfg.tokenizer else None,
+        "tool_call_parser": PARSER_NAME if cfg.tokenizer else None,
         "disaggregation_mode": "null",
         "has_image_understanding": False,
         "has_audio_understanding": False,

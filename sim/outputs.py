@@ -11,9 +11,11 @@ randomness is derived from a blake2b digest of the prompt ids:
   capped output instead of replacing it.
 
 The output looks like a reasoning model's: ordinary vocabulary ids, `</think>` about 60 %
-into the output, answer ids, then EOS; with a real tokenizer its own ids and text, else
-the plain vocabulary's (sim/vocab.py). A prompt that asks for tool calls in the test
-tokenizer's format (sim/toolcalls.py) gets them between its answer and EOS.
+into the output, answer ids, then EOS (no `</think>` when the generation prompt ends with
+an empty closed block: a template with reasoning off, as Qwen3's `enable_thinking=False`
+renders it); with a real tokenizer its own ids and text, else the plain vocabulary's
+(sim/vocab.py). A prompt that asks for tool calls in the test tokenizer's format
+(sim/toolcalls.py) gets them between its answer and EOS.
 """
 
 from __future__ import annotations
@@ -31,6 +33,9 @@ from sim.vocab import PlainVocab, load_vocab
 _LOGNORMAL_SIGMA = 0.75
 _THINK_FRACTION = 0.6
 _TEXT_CACHE_SIZE = 4096
+# A template's generation prompt ("<|im_start|>assistant\n<think>\n", or with reasoning
+# off "...<think>\n\n</think>\n\n") is a few ids; the scan for its opener stops here.
+_GENERATION_PROMPT_IDS = 32
 
 
 class Vocab(Protocol):
@@ -38,6 +43,8 @@ class Vocab(Protocol):
 
     eos_id: int
     think_id: int | None
+    #: The block's opener; None when the vocabulary has no template to open one with.
+    think_open_id: int | None
     nul_id: int | None
 
     def content_ids(self, seed: bytes, n: int) -> list[int]:
@@ -120,7 +127,8 @@ class OutputModel:
         if self.nul_every > 0 and nul_id is not None:
             ids[self.nul_every - 1 :: self.nul_every] = [nul_id] * len(
                 range(self.nul_every - 1, n, self.nul_every))
-        think_pos = self._think_position(answer, ignore_eos)
+        think_pos = (self._think_position(answer, ignore_eos)
+                     if self._opens_reasoning(input_ids) else None)
         think_id = self.vocab.think_id
         if think_id is not None and think_pos is not None and think_pos < n:
             ids[think_pos] = think_id
@@ -133,6 +141,19 @@ class OutputModel:
         return Completion(
             ids, finish, self.vocab.eos_id, max_new_tokens, think_pos, digest, ignore_eos
         )
+
+    def _opens_reasoning(self, input_ids: list[int]) -> bool:
+        """Whether the model reasons: unless its generation prompt closed the block it
+        opened (a template's reasoning off), as a reasoning model does whatever the prompt."""
+        opener, closer = self.vocab.think_open_id, self.vocab.think_id
+        if opener is None:
+            return True
+        for token in reversed(input_ids[-_GENERATION_PROMPT_IDS:]):
+            if token == opener:
+                return True
+            if token == closer:
+                return False
+        return True
 
     def _think_position(self, natural: int, ignore_eos: bool) -> int | None:
         if self.vocab.think_id is None or natural < 3:

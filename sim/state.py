@@ -74,16 +74,19 @@ class SimState:
         """GPU mode: the simulated clock (passes and idle time), on which its throughput is
         measured; the seconds of its forward passes alone (what a real server's GPU would
         spend); the output tokens decoded, the requests retracted and the tokens computed
-        again for them. None in the fast mode, which runs in real time."""
+        again for them; the prefill passes, their seconds and the prompt tokens they
+        computed. None in the fast mode, which runs in real time."""
         if not isinstance(self.engine, GpuEngine):
-            return dict.fromkeys(("sim_clock_s", "simulated_s", "generated_tokens",
-                                  "retracted_reqs_total", "recomputed_tokens_total"))
+            return dict.fromkeys(_GPU_CLOCK)
         clock_s, generated = self.engine.clock()
         stats = self.engine.sched.stats
         return {"sim_clock_s": clock_s, "simulated_s": stats.busy_s,
                 "generated_tokens": generated,
-                "retracted_reqs_total": stats.retracted_reqs_total,
-                "recomputed_tokens_total": stats.recomputed_tokens_total}
+                **{name: getattr(stats, name) for name in _GPU_CLOCK[3:]}}
 
+
+_GPU_CLOCK = ("sim_clock_s", "simulated_s", "generated_tokens", "retracted_reqs_total",
+              "recomputed_tokens_total", "prefill_steps_total", "prefill_s_total",
+              "prompt_uncached_tokens_total")
 
 SIM_KEY: web.AppKey[SimState] = web.AppKey("sim", SimState)

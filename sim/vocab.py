@@ -41,6 +41,8 @@ class PlainVocab:
 
     eos_id: int = PLAIN_EOS_ID
     think_id: int | None = PLAIN_THINK_ID
+    # No template, so no prompt opens a block: every output reasons (see OutputModel).
+    think_open_id: int | None = None
     nul_id: int | None = PLAIN_NUL_ID
 
     def call_ids(self, input_ids: list[int], seed: bytes) -> list[int]:
@@ -121,6 +123,7 @@ class TokenizerVocab:
         self.tokenizer = _open_tokenizer(root, trust_remote_code)
         self.eos_id = self._find_eos(root)
         self.think_id: int | None = self.tokenizer.token_to_id("</think>")
+        self.think_open_id: int | None = self.tokenizer.token_to_id("<think>")
         # Prompts offering tools in the remote-code test tokenizer's format can be answered
         # with tool calls (sim/toolcalls.py); other tokenizers never call tools.
         self.tools_id: int | None = (self.tokenizer.token_to_id(TOOLS_OPEN)

@@ -479,6 +479,31 @@ def test_tokenizer_output_has_think_and_eos() -> None:
     assert out["text"] == tok.decode(ids, skip_special_tokens=True)
 
 
+def test_a_prompt_with_reasoning_off_gets_no_think_marker() -> None:
+    if not (TOKENIZER_DIR / "tokenizer.json").exists():
+        pytest.skip("project tokenizer not built yet")
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(str(TOKENIZER_DIR / "tokenizer.json"))
+    opener, closer = tok.token_to_id("<think>"), tok.token_to_id("</think>")
+    assert opener is not None and closer is not None
+    nl = tok.encode("\n", add_special_tokens=False).ids[0]
+    cfg = SimConfig(port=0, decode_tok_per_s=0, tokenizer=str(TOKENIZER_DIR))
+    params = {"max_new_tokens": 5000}
+    with SimServer(cfg) as srv:
+        assert srv.url
+        on = [gen(srv.url, [9, n, opener, nl], sampling_params=params).json()
+              for n in range(5)]
+        off = [gen(srv.url, [9, n, opener, nl, nl, closer, nl, nl],
+                   sampling_params=params).json() for n in range(5)]
+    long_on = [o for o in on if o["meta_info"]["completion_tokens"] >= 3]
+    assert long_on and all(closer in o["output_ids"] for o in long_on)
+    assert all(o["meta_info"]["completion_tokens"] >= 3 for o in off)
+    for out in off:
+        assert closer not in out["output_ids"] and "</think>" not in out["text"]
+        assert out["meta_info"]["reasoning_tokens"] == 0
+
+
 def test_cli_flags_map_to_config() -> None:
     cfg = config_from_args(
         [

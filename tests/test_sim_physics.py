@@ -249,9 +249,11 @@ def test_gpu_mode_clock_counts_passes_and_idle_time_not_its_own_overhead() -> No
         assert clock() - after_one >= 0.5 * cfg.time_scale
         stats = requests.get(f"{srv.url}/sim/stats", timeout=10).json()
         assert stats["simulated_s"] == busy  # nothing while idle
+        assert (stats["prefill_steps_total"], stats["prompt_uncached_tokens_total"]) == (1, 100)
+        assert stats["prefill_s_total"] == pytest.approx(law.prefill_s(100))
     with SimServer(SimConfig(port=0, decode_tok_per_s=0)) as srv:
         stats = requests.get(f"{srv.url}/sim/stats", timeout=10).json()
-        assert stats["sim_clock_s"] is None and stats["simulated_s"] is None
+        assert stats["sim_clock_s"] is None and stats["prefill_steps_total"] is None
 
 
 def test_gpu_mode_streams(gpu: str) -> None:

@@ -56,6 +56,16 @@ def test_separate_reasoning_answers_as_sglang(code_sim: str, text: str, reasonin
     assert resp.json() == {"text": answer, "reasoning_text": reasoning}
 
 
+def test_model_info_names_the_parsers_the_endpoints_accept(code_sim: str) -> None:
+    info = requests.get(code_sim + "/model_info", timeout=5).json()
+    resp = _post(code_sim, "/separate_reasoning",
+                 {"text": "a</think>b", "reasoning_parser": info["reasoning_parser"]})
+    assert resp.status_code == 200 and resp.json()["text"] == "b"
+    resp = _post(code_sim, "/parse_function_call",
+                 {"text": "x", "tools": [], "tool_call_parser": info["tool_call_parser"]})
+    assert resp.status_code == 200 and resp.json()["normal_text"] == "x"
+
+
 def test_unknown_parsers_and_bad_bodies_fail_as_in_sglang(code_sim: str) -> None:
     resp = _post(code_sim, "/parse_function_call",
                  {"text": "x", "tools": [], "tool_call_parser": "kimi_k2"})
