@@ -12,7 +12,9 @@ state: ``--concurrency auto``, then fixed 16, 32, 64, 128, 256, 512. Figures per
 * requests in flight at the server (running + waiting): the median over that window,
   and when the budget closed, against its running capacity (the most it kept running:
   the highest median running count of any leg);
-* requests the server retracted in the window, and the tokens it computed again;
+* requests the server retracted in the window, and the tokens it computed again; the
+  retracted requests still waiting at the window's end, and the output tokens they will
+  compute again (work the window's rate has not paid);
 * the window's prefill passes: their share of the server's clock, and the prompt tokens
   a pass computed (prompts are of even length, see ``prompts``, so this stays put);
 * the whole leg: output tokens stored by the budget's close over the server's clock from
@@ -212,7 +214,11 @@ def figures(watch: Watch, log: list[dict[str, Any]], budget: int) -> dict[str, A
             "prefill_share": _delta(start, end, "prefill_s_total") / sim_s,
             "prefills": _delta(start, end, "prefill_steps_total"),
             "prefill_batch": (_delta(start, end, "prompt_uncached_tokens_total")
-                              / max(1, _delta(start, end, "prefill_steps_total")))}
+                              / max(1, _delta(start, end, "prefill_steps_total"))),
+            # Retracted requests still waiting when the window ends: a deep queue puts
+            # them behind itself, and the window's rate has not paid their recompute.
+            "owed_at_end": end.get("waiting_retracted") or 0,
+            "owed_tokens_at_end": end.get("waiting_retracted_tokens") or 0}
 
 
 def _delta(start: dict[str, Any], end: dict[str, Any], name: str) -> float:

@@ -137,6 +137,12 @@ class GpuScheduler:
         self.stats.record(step)
         return step
 
+    def owed_recompute(self) -> tuple[int, int]:
+        """Retracted requests still waiting, and the output tokens they will compute again
+        (their prompts may still be cached): work a throughput measured now has not paid."""
+        owed = [job.generated for job in self.waiting if job.retractions]
+        return len(owed), sum(owed)
+
     def _prefill(self) -> Step | None:
         admitted = self._admit()
         if not admitted:

@@ -75,18 +75,21 @@ class SimState:
         measured; the seconds of its forward passes alone (what a real server's GPU would
         spend); the output tokens decoded, the requests retracted and the tokens computed
         again for them; the prefill passes, their seconds and the prompt tokens they
-        computed. None in the fast mode, which runs in real time."""
+        computed; the retracted requests waiting, and the output tokens they will compute
+        again. None in the fast mode, which runs in real time."""
         if not isinstance(self.engine, GpuEngine):
             return dict.fromkeys(_GPU_CLOCK)
         clock_s, generated = self.engine.clock()
         stats = self.engine.sched.stats
+        owed_reqs, owed_tokens = self.engine.sched.owed_recompute()
         return {"sim_clock_s": clock_s, "simulated_s": stats.busy_s,
                 "generated_tokens": generated,
-                **{name: getattr(stats, name) for name in _GPU_CLOCK[3:]}}
+                **{name: getattr(stats, name) for name in _GPU_CLOCK[3:-2]},
+                "waiting_retracted": owed_reqs, "waiting_retracted_tokens": owed_tokens}
 
 
 _GPU_CLOCK = ("sim_clock_s", "simulated_s", "generated_tokens", "retracted_reqs_total",
               "recomputed_tokens_total", "prefill_steps_total", "prefill_s_total",
-              "prompt_uncached_tokens_total")
+              "prompt_uncached_tokens_total", "waiting_retracted", "waiting_retracted_tokens")
 
 SIM_KEY: web.AppKey[SimState] = web.AppKey("sim", SimState)

@@ -137,9 +137,10 @@ def test_decode_outgrowing_the_pool_retracts_and_recomputes() -> None:
     assert sched.new_token_ratio == 1.0  # (20 + 20 * 1) / 30, capped
     stats = sched.stats
     assert (stats.retracted_reqs_total, stats.retracted_output_tokens_total) == (1, 20)
+    assert sched.owed_recompute() == (1, 20)  # B waits with its 20 tokens to compute again
     refill = run_until(sched, lambda s: b in s.jobs and s.kind == PREFILL)
     assert (refill.hit_tokens, refill.uncached_tokens) == (10, 20)
-    assert stats.recomputed_tokens_total == 20
+    assert stats.recomputed_tokens_total == 20 and sched.owed_recompute() == (0, 0)
     run_until(sched, lambda s: b in s.ended)
     assert (a.done, b.done, b.generated, b.cached_tokens) == (True, True, 30, 0)
     assert sched.used_tokens == 0
@@ -250,6 +251,7 @@ def test_gpu_mode_clock_counts_passes_and_idle_time_not_its_own_overhead() -> No
         stats = requests.get(f"{srv.url}/sim/stats", timeout=10).json()
         assert stats["simulated_s"] == busy  # nothing while idle
         assert (stats["prefill_steps_total"], stats["prompt_uncached_tokens_total"]) == (1, 100)
+        assert (stats["waiting_retracted"], stats["waiting_retracted_tokens"]) == (0, 0)
         assert stats["prefill_s_total"] == pytest.approx(law.prefill_s(100))
     with SimServer(SimConfig(port=0, decode_tok_per_s=0)) as srv:
         stats = requests.get(f"{srv.url}/sim/stats", timeout=10).json()
