@@ -32,6 +32,7 @@ window's median, and at the close) <= 1.25x the running capacity. The budgets ar
 generations of requests, not 10M tokens, so that a leg takes a minute or two.
 
     python -m bench.concurrency [--quick] [--shapes chat,code,agentic] [--repeats N]
+                                [--legs auto,64] [--longer K]
 """
 
 from __future__ import annotations
@@ -87,8 +88,8 @@ class Shape:
         """What the reference server keeps running: its cap, or what its KV pool holds."""
         return min(48, 159_000 // (self.prompt_tokens + self.output_tokens // 2))
 
-    def budget_tokens(self, quick: bool) -> int:
-        gens = max(2, self.generations // 2) if quick else self.generations
+    def budget_tokens(self, quick: bool, longer: int = 1) -> int:
+        gens = max(2, self.generations // 2) if quick else self.generations * longer
         return gens * self.running_estimate * self.output_tokens
 
 
@@ -108,6 +109,9 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--repeats", type=int, default=1,
                    help="rounds of the legs, every other one in reverse; each concurrency's "
                         "figure is the median of its legs (default %(default)s)")
+    p.add_argument("--longer", type=int, default=1,
+                   help="budgets this many times the shape's: a window that spans more "
+                        "turnovers of a deep queue (default %(default)s)")
     p.add_argument("--legs", help="comma-separated legs instead of auto and the sweep, e.g. "
                    "auto or 16,32 (the summary needs auto and a fixed leg)")
     args = p.parse_args(argv)
@@ -166,7 +170,7 @@ def leg(procs: Processes, url: str, folder: Path, name: str, shape: Shape,
     redis_client = fresh_redis()
     settings = bench_settings(fresh_db("sqlite", "concurrency"), url, concurrency)
     settings = settings.replace(load_poll_s=args.poll, max_concurrency=256)
-    budget = shape.budget_tokens(args.quick)
+    budget = shape.budget_tokens(args.quick, args.longer)
     enqueue(settings, folder, budget=Budget(budget, policy="abort"),
             max_new_tokens=4 * shape.output_tokens, max_seq_len=65_536)
     worker = start_worker(procs, settings, concurrency, tag=f"worker-{name}-{concurrency}")
@@ -241,7 +245,8 @@ def prompts(shape_name: str, shape: Shape, n: int) -> Path:
 
 def run_shape(procs: Processes, name: str, shape: Shape,
               args: argparse.Namespace) -> list[dict[str, Any]]:
-    n = math.ceil(1.5 * shape.budget_tokens(args.quick) / shape.output_tokens) + max(SWEEP)
+    n = (math.ceil(1.5 * shape.budget_tokens(args.quick, args.longer) / shape.output_tokens)
+         + max(SWEEP))
     folder = prompts(name, shape, n)
     url, sim = start_sim(procs, slots=48, mean_output=shape.output_tokens, name=f"sim-{name}",
                          extra=("--physics", "gpu", "--profile", "reference", "--time-scale",
