@@ -371,3 +371,13 @@ def test_concurrency_compares_the_median_legs_of_each_concurrency() -> None:
     # In flight: auto's worst leg, against the most any leg kept running.
     assert (s["auto_inflight"], s["auto_inflight_at_close"]) == (38, 5)
     assert s["running_capacity"] == 31 and s["inflight_vs_capacity"] == pytest.approx(38 / 31)
+
+
+def test_concurrency_longer_scales_the_budget_and_the_prompts() -> None:
+    from bench.concurrency import SHAPES, parse
+
+    agentic = SHAPES["agentic"]
+    assert agentic.budget_tokens(False, 4) == 4 * agentic.budget_tokens(False)
+    assert agentic.budget_tokens(True, 4) == agentic.budget_tokens(True)  # --quick wins
+    assert parse(["--longer", "4", "--legs", "auto,64"]).longer == 4
+    assert parse([]).longer == 1
