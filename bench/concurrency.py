@@ -233,8 +233,9 @@ def prompts(shape_name: str, shape: Shape, n: int) -> Path:
     """The shape's prompts, all of about its prompt length. With lengths that spread
     (lognormal, as the other benchmarks draw them), which prompts a leg computes inside
     its window is a draw: chat 256 prefilled 921 tokens a request in its window where auto
-    prefilled 1,049 (the two legs' stored samples averaged 963 and 966 over the whole
-    leg), with as many prefills and the same batch, and ran 3% faster. The window's rate
+    prefilled 1,049 (its stored samples averaged 963 over the whole leg, as many of the
+    dataset's first prompts in auto's order 966), over 142 prefills against 143 and the
+    same batch, and ran 3% faster. The window's rate
     then measures that draw, not how the server is fed."""
     folder = WORKDIR / f"concurrency-{shape_name}-{n}-even"
     if not (folder / ".complete").exists():
