@@ -196,9 +196,9 @@ def figures(watch: Watch, log: list[dict[str, Any]], budget: int) -> dict[str, A
     at_close = sum(1 for e in log if e["arrived_ts"] <= closed
                    and (e.get("finished_ts") is None or e["finished_ts"] > closed))
     # The whole leg: output tokens charged (stored) by the budget's close, over the server's
-    # clock from its first token to the close. It pays for what the window can leave out:
-    # a start from little in flight, retracted requests recomputed later, partial outputs
-    # aborted at the close.
+    # clock from its first token to the close. It pays for a start from little in flight
+    # and for partial outputs aborted at the close; retracted requests still waiting at
+    # the close are aborted too, so the recompute they owed is never paid.
     first = next(s for s in samples if s["generated_tokens"] > base)
     last = samples[-1]
     whole_s = last["sim_clock_s"] - first["sim_clock_s"]
@@ -210,11 +210,10 @@ def figures(watch: Watch, log: list[dict[str, Any]], budget: int) -> dict[str, A
             "median_inflight": statistics.median(s["running"] + s["waiting"] for s in window),
             "inflight_at_close": at_close,
             # Work the server lost in the window: requests retracted, tokens computed again.
-            "retracted": end.get("retracted_reqs_total", 0) - start.get("retracted_reqs_total", 0),
-            "recomputed_tokens": (end.get("recomputed_tokens_total", 0)
-                                  - start.get("recomputed_tokens_total", 0)),
+            "retracted": int(_delta(start, end, "retracted_reqs_total")),
+            "recomputed_tokens": int(_delta(start, end, "recomputed_tokens_total")),
             # Prefill passes stop the whole batch's decoding: their share of the window's
-            # clock, and how many there were for each request that finished in it.
+            # clock, how many there were, and the prompt tokens a pass computed.
             "prefill_share": _delta(start, end, "prefill_s_total") / sim_s,
             "prefills": _delta(start, end, "prefill_steps_total"),
             "prefill_batch": (_delta(start, end, "prompt_uncached_tokens_total")
@@ -235,8 +234,8 @@ def prompts(shape_name: str, shape: Shape, n: int) -> Path:
     its window is a draw: chat 256 prefilled 921 tokens a request in its window where auto
     prefilled 1,049 (its stored samples averaged 963 over the whole leg, as many of the
     dataset's first prompts in auto's order 966), over 142 prefills against 143 and the
-    same batch, and ran 3% faster. The window's rate
-    then measures that draw, not how the server is fed."""
+    same batch, and ran 3% faster. The window's rate then measures that draw, not how
+    the server is fed."""
     folder = WORKDIR / f"concurrency-{shape_name}-{n}-even"
     if not (folder / ".complete").exists():
         write_dataset(folder, shape_name, n, shape.prompt_tokens, sigma=0.0)

@@ -84,12 +84,14 @@ class SimState:
         owed_reqs, owed_tokens = self.engine.sched.owed_recompute()
         return {"sim_clock_s": clock_s, "simulated_s": stats.busy_s,
                 "generated_tokens": generated,
-                **{name: getattr(stats, name) for name in _GPU_CLOCK[3:-2]},
+                **{name: getattr(stats, name) for name in _STEP_TOTALS},
                 "waiting_retracted": owed_reqs, "waiting_retracted_tokens": owed_tokens}
 
 
-_GPU_CLOCK = ("sim_clock_s", "simulated_s", "generated_tokens", "retracted_reqs_total",
-              "recomputed_tokens_total", "prefill_steps_total", "prefill_s_total",
-              "prompt_uncached_tokens_total", "waiting_retracted", "waiting_retracted_tokens")
+# StepStats' totals that /sim/stats passes on as they are.
+_STEP_TOTALS = ("retracted_reqs_total", "recomputed_tokens_total", "prefill_steps_total",
+                "prefill_s_total", "prompt_uncached_tokens_total")
+_GPU_CLOCK = ("sim_clock_s", "simulated_s", "generated_tokens", *_STEP_TOTALS,
+              "waiting_retracted", "waiting_retracted_tokens")
 
 SIM_KEY: web.AppKey[SimState] = web.AppKey("sim", SimState)

@@ -373,7 +373,7 @@ def test_concurrency_compares_the_median_legs_of_each_concurrency() -> None:
     assert s["running_capacity"] == 31 and s["inflight_vs_capacity"] == pytest.approx(38 / 31)
 
 
-def test_concurrency_longer_scales_the_budget_and_the_prompts() -> None:
+def test_concurrency_longer_scales_the_budget() -> None:
     from bench.concurrency import SHAPES, parse
 
     agentic = SHAPES["agentic"]
