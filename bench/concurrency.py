@@ -14,12 +14,13 @@ state: ``--concurrency auto``, then fixed 16, 32, 64, 128, 256, 512. Figures per
   the highest median running count of any leg);
 * requests the server retracted in the window, and the tokens it computed again; the
   retracted requests still waiting at the window's end, and the output tokens they will
-  compute again (work the window's rate has not paid);
+  compute again (work the window's rate has not paid), and the same just before the close;
 * the window's prefill passes: their share of the server's clock, and the prompt tokens
   a pass computed (prompts are of even length, see ``prompts``, so this stays put);
 * the whole leg: output tokens stored by the budget's close over the server's clock from
   its first token to the close (shown, not compared: it includes auto's start from a
-  limit of 2).
+  limit of 2), and the decoded tok/s of its start (first token to the window) and of its
+  close (the window's end to the close).
 
 ``--repeats N`` runs the legs N times, every other round in reverse. A concurrency's
 tok/s is the median of its legs, auto's included: auto and fixed 16 send in the
@@ -200,11 +201,15 @@ def figures(watch: Watch, log: list[dict[str, Any]], budget: int) -> dict[str, A
     # and for partial outputs aborted at the close; retracted requests still waiting at
     # the close are aborted too, so the recompute they owed is never paid.
     first = next(s for s in samples if s["generated_tokens"] > base)
-    last = samples[-1]
+    last, before_close = samples[-1], samples[max(0, len(samples) - 2)]
     whole_s = last["sim_clock_s"] - first["sim_clock_s"]
     return {"tok_per_s": (end["generated_tokens"] - start["generated_tokens"]) / sim_s,
             "window_sim_s": sim_s,
             "whole_tok_per_s": last["charged"] / whole_s if whole_s > 0 else 0.0,
+            # The whole leg's two other phases, decoded tokens over the server's clock:
+            # the start (first token to the window) and the close (window to the close).
+            "head_tok_per_s": _rate(first, start),
+            "tail_tok_per_s": _rate(end, last),
             "mean_running": statistics.fmean(s["running"] for s in window),
             "median_running": statistics.median(s["running"] for s in window),
             "median_inflight": statistics.median(s["running"] + s["waiting"] for s in window),
@@ -221,11 +226,20 @@ def figures(watch: Watch, log: list[dict[str, Any]], budget: int) -> dict[str, A
             # Retracted requests still waiting when the window ends: a deep queue puts
             # them behind itself, and the window's rate has not paid their recompute.
             "owed_at_end": end.get("waiting_retracted") or 0,
-            "owed_tokens_at_end": end.get("waiting_retracted_tokens") or 0}
+            "owed_tokens_at_end": end.get("waiting_retracted_tokens") or 0,
+            # And at the close (the last reading before it: the close's aborts may be in
+            # the one after), whose recompute the whole leg's rate never pays under abort.
+            "owed_at_close": before_close.get("waiting_retracted") or 0,
+            "owed_tokens_at_close": before_close.get("waiting_retracted_tokens") or 0}
 
 
 def _delta(start: dict[str, Any], end: dict[str, Any], name: str) -> float:
     return float(end.get(name) or 0) - float(start.get(name) or 0)
+
+
+def _rate(start: dict[str, Any], end: dict[str, Any]) -> float:
+    sim_s = _delta(start, end, "sim_clock_s")
+    return _delta(start, end, "generated_tokens") / sim_s if sim_s > 0 else 0.0
 
 
 def prompts(shape_name: str, shape: Shape, n: int) -> Path:
@@ -288,12 +302,15 @@ def report(results: list[dict[str, Any]], args: argparse.Namespace) -> None:
         table(f"concurrency, {r['shape']}: output tok/s on the simulated clock, in flight at "
               "the budget's close", ["concurrency", "tok/s", "running: mean / median",
                                      "in flight: median", "at close", "retracted (tokens)",
-                                     "whole leg tok/s"],
+                                     "retracted waiting: window end / close",
+                                     "whole leg tok/s", "start / close tok/s"],
               [(str(g["concurrency"]), f"{g['tok_per_s']:.0f}",
                 f"{g['mean_running']:.1f} / {g['median_running']:g}",
                 f"{g['median_inflight']:g}", str(g["inflight_at_close"]),
                 f"{g.get('retracted', 0)} ({g.get('recomputed_tokens', 0):,})",
-                f"{g.get('whole_tok_per_s', 0):.0f}")
+                f"{g.get('owed_at_end', 0)} / {g.get('owed_at_close', 0)}",
+                f"{g.get('whole_tok_per_s', 0):.0f}",
+                f"{g.get('head_tok_per_s', 0):.0f} / {g.get('tail_tok_per_s', 0):.0f}")
                for g in r["legs"]])
     table("concurrency auto against the best fixed (one run; the machine is shared)",
           ["shape", "auto / best fixed", "target", "in flight at close / capacity", "target"],

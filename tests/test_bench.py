@@ -381,3 +381,28 @@ def test_concurrency_longer_scales_the_budget() -> None:
     assert agentic.budget_tokens(True, 4) == agentic.budget_tokens(True)  # --quick wins
     assert parse(["--longer", "4", "--legs", "auto,64"]).longer == 4
     assert parse([]).longer == 1
+
+
+def test_concurrency_figures_split_the_leg_into_start_window_and_close() -> None:
+    from bench.concurrency import Watch, figures
+
+    # Budget 1,000 tokens: the window runs from 200 to 700 generated tokens.
+    def sample(clock: float, generated: int, charged: int,
+               owed: int = 0) -> dict[str, object]:
+        return {"sim_clock_s": clock, "generated_tokens": generated, "charged": charged,
+                "running": 4, "waiting": 1, "waiting_retracted": owed,
+                "waiting_retracted_tokens": 100 * owed}
+
+    watch = Watch.__new__(Watch)
+    watch.samples = [sample(0, 0, 0), sample(5, 50, 0), sample(10, 200, 100),
+                     sample(20, 450, 300), sample(30, 700, 600, owed=2),
+                     sample(49, 990, 880, owed=3), sample(50, 1000, 900)]
+    watch.closed_at = 0.0
+    f = figures(watch, [], 1000)
+    assert f["tok_per_s"] == pytest.approx(500 / 20) and f["window_sim_s"] == 20
+    assert f["head_tok_per_s"] == pytest.approx(150 / 5)  # first token (clock 5) to 10
+    assert f["tail_tok_per_s"] == pytest.approx(300 / 20)
+    assert f["whole_tok_per_s"] == pytest.approx(900 / 45)
+    # Retracted requests waiting at the window's end, and at the reading before the close.
+    assert (f["owed_at_end"], f["owed_tokens_at_end"]) == (2, 200)
+    assert (f["owed_at_close"], f["owed_tokens_at_close"]) == (3, 300)
