@@ -55,6 +55,18 @@ def not_in(sample_ids: list[str], held: set[str]) -> list[str]:
     return [sid for sid in sample_ids if sid not in held]
 
 
+def lost_queued(store: Store, client: redis.Redis, dataset: str,
+                updated_before: datetime | None = None) -> list[str]:
+    """The dataset's prompts SQL holds as queued and Redis neither queues nor has unacked,
+    in its publishing order.
+
+    Redis is read before SQL: a task marks its prompt done in SQL before its message is
+    acked, so one that ends in between is seen either in Redis or as done. Read the other
+    way round it would be queued in SQL and gone from Redis, and taken for lost."""
+    held = queued_in_redis(client, dataset)
+    return not_in(store.sample_ids(dataset, "queued", updated_before=updated_before), held)
+
+
 def requeue_lost(
     store: Store, client: redis.Redis, publisher: Publisher,
     quiet_for_s: float = Settings.sweep_quiet_s,
@@ -76,8 +88,7 @@ def requeue_lost(
         ds = store.dataset(name)
         if ds.state == "closed" or ledger.is_closed(name):
             continue
-        queued = store.sample_ids(ds.name, "queued", updated_before=cutoff)
-        lost = not_in(queued, queued_in_redis(client, ds.name)) if queued else []
+        lost = lost_queued(store, client, ds.name, updated_before=cutoff)
         if lost:
             # A conversation's later turns go ahead of new prompts, as when first sent.
             later = set(queued_later_turns(store, ds.name)) if ds.turns == "all" else set()

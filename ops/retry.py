@@ -14,7 +14,7 @@ import sys
 import time
 from typing import Any
 
-from common.audit import not_in, queued_in_redis
+from common.audit import lost_queued, queued_in_redis
 from common.celery_app import make_celery
 from common.errors import ConfigError
 from common.failures import STOPPED, requeue_failed, unsendable_failures
@@ -126,7 +126,7 @@ def _send(settings: Settings, store: Store, ledger: Ledger, name: str, back: lis
     to_send = back
     if stopped:
         # The stop purged the queue: every queued prompt Redis does not hold goes out.
-        to_send = not_in(store.sample_ids(name, "queued"), queued_in_redis(ledger.redis, name))
+        to_send = lost_queued(store, ledger.redis, name)
     publisher = Publisher(make_celery(settings))
     publisher.publish_all(name, store.dataset(name).stamp, to_send)
     publisher.announce([name])

@@ -223,8 +223,9 @@ class Enqueuer:
 
     def _dataset(self, plan: DatasetPlan, summary: DatasetSummary) -> Iterator[bool]:
         ds = self._registered[plan.name] = self._register(plan)
-        states = self.store.prompt_states(plan.name)
+        # Redis before SQL, for the reason common.audit.lost_queued gives.
         in_redis = queued_in_redis(self.ledger.redis, plan.name)
+        states = self.store.prompt_states(plan.name)
         report = ReadReport(dataset=plan.name, files=[str(f) for f in plan.files])
         records = expand(read_dataset(plan.name, plan.files, report), ds.generations, report)
         if ds.turns == "all":

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 import requests
@@ -162,6 +163,49 @@ def test_prompts_redis_lost_are_found_and_enqueued_again(
         wait_settled(store, ["lost"])
     assert_invariants(store, ledger, ["lost"])
     assert store.prompt_counts("lost") == {"done": 8}
+
+
+def test_a_prompt_settled_while_the_sweep_looks_is_not_taken_for_lost(
+    settings: Settings, store: Store, ledger: Ledger, tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The sweep reads what Redis holds and what SQL holds as queued, one after the other.
+    A task that ends in between (its prompt marked done, then its message acked) must be
+    found in one or the other: it is not lost, and publishing it again would only make a
+    duplicate (and a false warning that Redis lost prompts)."""
+    from common import audit
+    from common.keys import dataset_keys
+
+    enqueue_paths(settings, [str(write_dataset(tmp_path, "race", 1))])
+    client = ledger.redis
+    assert audit.queued_in_redis(client, "race") == {"race-0"}
+    settled: list[str] = []
+
+    def settle() -> None:  # the task ends, once, right after the sweep's first read
+        if not settled:
+            store.set_prompt_states("race", ["race-0"], "done")
+            client.delete(*dataset_keys("race").queue_lists)
+            settled.append("race-0")
+
+    read_sql, read_redis = store.sample_ids, audit.queued_in_redis
+
+    def sql_then_settle(*args: Any, **kwargs: Any) -> list[str]:
+        ids = read_sql(*args, **kwargs)
+        settle()
+        return ids
+
+    def redis_then_settle(*args: Any, **kwargs: Any) -> set[str]:
+        held = read_redis(*args, **kwargs)
+        settle()
+        return held
+
+    monkeypatch.setattr(store, "sample_ids", sql_then_settle)
+    monkeypatch.setattr(audit, "queued_in_redis", redis_then_settle)
+    publisher = Publisher(make_celery(settings))
+    assert audit.requeue_lost(store, client, publisher, quiet_for_s=0) == {}
+    assert settled == ["race-0"]
+    assert read_redis(client, "race") == set()  # nothing published again
+    assert store.prompt_counts("race") == {"done": 1}
 
 
 def test_a_message_taken_by_a_worker_that_died_before_recording_it_is_swept_back(
