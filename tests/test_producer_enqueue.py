@@ -227,3 +227,41 @@ def test_after_a_load_postgresql_finds_a_group_of_one_dataset_by_its_primary_key
             plan = "\n".join(conn.exec_driver_sql("EXPLAIN " + statement, params).scalars())
             assert "prompts_pkey" in plan, plan
             assert "ix_prompts_dataset_state" not in plan, plan
+
+
+def test_a_rerun_does_not_take_a_prompt_settled_meanwhile_for_lost(
+    settings: Settings, templater: ChatTemplater, tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A re-run reads what Redis holds and the prompts' states in SQL, one after the
+    other; a task that ends in between (done in SQL, then its message acked) is counted
+    done, not published again as a message Redis lost."""
+    path = _write(tmp_path, "rerun", 1)
+    _run(settings, templater, [path])
+    client = redis.Redis.from_url(settings.redis_url)
+    settled: list[str] = []
+
+    def settle() -> None:  # the task ends, once, right after the re-run's first read
+        if not settled:
+            Store(settings.database_url).set_prompt_states("rerun", ["rerun-0"], "done")
+            client.delete(*dataset_keys("rerun").queue_lists)
+            settled.append("rerun-0")
+
+    read_sql, read_redis = Store.prompt_states, enqueue_module.queued_in_redis
+
+    def sql_then_settle(self: Store, dataset: str) -> dict[str, str]:
+        states = read_sql(self, dataset)
+        settle()
+        return states
+
+    def redis_then_settle(*args: Any) -> set[str]:
+        held = read_redis(*args)
+        settle()
+        return held
+
+    monkeypatch.setattr(Store, "prompt_states", sql_then_settle)
+    monkeypatch.setattr(enqueue_module, "queued_in_redis", redis_then_settle)
+    again = _run(settings, templater, [path])["rerun"]
+    assert settled == ["rerun-0"]
+    assert (again.enqueued, again.already_done, again.already_queued) == (0, 1, 0)
+    assert _messages(client, "rerun") == Counter()  # nothing published again
