@@ -9,9 +9,12 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import contextlib
 import itertools
+import os
 import re
 import shutil
+import signal
 import subprocess
 import tempfile
 import threading
@@ -118,14 +121,23 @@ def open_page(path: Path, expressions: Sequence[str] = (), height: int = 900) ->
              "--remote-debugging-port=0", "--remote-debugging-address=127.0.0.1",
              f"--user-data-dir={profile}", "about:blank"],
             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+            start_new_session=True,
         )
         try:
             port = _devtools_port(proc)
             return asyncio.run(_visit(port, path.resolve().as_uri(), expressions, height))
         finally:
-            proc.terminate()
-            try:
-                proc.wait(30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+            _stop(proc)
+
+
+def _stop(proc: subprocess.Popen[str]) -> None:
+    """Stop Chromium and every helper it started (its own session's process group). Its
+    helpers can outlive the browser process when only that one is signalled, and one still
+    writing into the profile made removing the profile fail ("Directory not empty")."""
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGTERM)
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        proc.wait(30)
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGKILL)  # whatever of the group is left
+    proc.wait()
