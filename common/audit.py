@@ -50,11 +50,6 @@ def queued_in_redis(client: redis.Redis, dataset: str) -> set[str]:
     return found
 
 
-def not_in(sample_ids: list[str], held: set[str]) -> list[str]:
-    """``sample_ids`` that ``held`` lacks, in their order (the publishing order)."""
-    return [sid for sid in sample_ids if sid not in held]
-
-
 def lost_queued(store: Store, client: redis.Redis, dataset: str,
                 updated_before: datetime | None = None) -> list[str]:
     """The dataset's prompts SQL holds as queued and Redis neither queues nor has unacked,
@@ -64,7 +59,8 @@ def lost_queued(store: Store, client: redis.Redis, dataset: str,
     acked, so one that ends in between is seen either in Redis or as done. Read the other
     way round it would be queued in SQL and gone from Redis, and taken for lost."""
     held = queued_in_redis(client, dataset)
-    return not_in(store.sample_ids(dataset, "queued", updated_before=updated_before), held)
+    queued = store.sample_ids(dataset, "queued", updated_before=updated_before)
+    return [sid for sid in queued if sid not in held]
 
 
 def requeue_lost(
