@@ -2,8 +2,9 @@
 
 It offers the HTTP handlers the same interface as `sim.engine.Engine` (submit,
 wait_admitted, decode, finish, abort, load). One background task steps the scheduler: it
-runs a forward pass, sleeps its simulated duration divided by `time_scale` (one sleep per
-pass, whatever the batch size), then publishes the new token counts to the sequences.
+runs a forward pass, waits out its simulated duration divided by `time_scale` (paced
+across passes, whatever the batch size: `Pacer`), then publishes the new token counts to
+the sequences.
 Handlers poll their sequence every chunk interval and are woken early when it ends, so no
 timer exists per token or per request. Output ids still come from `sim.outputs`: the
 physics decides when tokens appear, never which.
@@ -36,6 +37,32 @@ from sim.load import Load
 from sim.outputs import Completion
 from sim.steplaw import PROFILES
 
+# How far behind its pace the stepping loop may catch up by running passes unslept.
+MAX_BEHIND_S = 0.005
+
+
+class Pacer:
+    """How long to sleep after each pass so that passes keep their scaled durations on
+    average. An asyncio sleep lasts at least a tick of the event loop's clock (a
+    millisecond with epoll), so a sleep of each pass's own duration held an agentic pass
+    (about 40 ms) at a time scale of 100 to some 36 times real time. The passes'
+    durations add up to a due time instead, and the loop sleeps only while it is ahead;
+    a loop that fell behind (the simulator's own work) catches up by at most
+    ``MAX_BEHIND_S`` of passes run unslept."""
+
+    def __init__(self) -> None:
+        self.due = 0.0  # when, in real time, the passes so far are due to have ended
+
+    def restart(self, now: float) -> None:
+        """The loop starts stepping (at start, or out of an idle spell)."""
+        self.due = now
+
+    def delay(self, now: float, real_s: float) -> float:
+        """The sleep owed for a pass of ``real_s`` (its duration, scaled) computed at
+        ``now`` (0: only yield to the loop)."""
+        self.due = max(self.due, now - MAX_BEHIND_S) + real_s
+        return max(0.0, self.due - now)
+
 
 class GpuEngine:
     """Submits requests to the GPU scheduler and runs its forward passes in real time."""
@@ -54,6 +81,7 @@ class GpuEngine:
         # the passes' durations on its clock, which the simulator's own overhead does not
         # lengthen.
         self._idle_since: float | None = None
+        self._pacer = Pacer()
 
     @property
     def running(self) -> list[Job]:
@@ -141,6 +169,7 @@ class GpuEngine:
         self._work.set()
 
     async def _run(self) -> None:
+        self._pacer.restart(time.monotonic())
         while True:
             faults = self.injector.faults
             self.sched.max_running_requests = (faults.max_running_requests
@@ -154,9 +183,10 @@ class GpuEngine:
                 # The clock of an idle server runs too: a throughput on it counts idling.
                 self.sched.stats.clock_s += self._idle_now()
                 self._idle_since = None
+                self._pacer.restart(time.monotonic())
                 continue
             self._admit(step)
-            await asyncio.sleep(step.duration_s / scale)
+            await asyncio.sleep(self._pacer.delay(time.monotonic(), step.duration_s / scale))
             self._publish(step)
 
     def _admit(self, step: Step) -> None:

@@ -258,6 +258,34 @@ def test_gpu_mode_clock_counts_passes_and_idle_time_not_its_own_overhead() -> No
         assert stats["sim_clock_s"] is None and stats["prefill_steps_total"] is None
 
 
+def test_gpu_mode_keeps_its_time_scale_with_passes_shorter_than_a_loop_tick() -> None:
+    from sim.gpu import MAX_BEHIND_S, Pacer
+
+    def run(passes: int, real_s: float, overhead_s: float, tick_s: float = 0.001) -> float:
+        """Real seconds ``passes`` passes take on a loop whose sleeps last a tick at least
+        and whose every pass costs ``overhead_s``."""
+        pacer, now = Pacer(), 100.0
+        pacer.restart(now)
+        for _ in range(passes):
+            now += overhead_s
+            sleep = pacer.delay(now, real_s)
+            now += max(sleep, tick_s) if sleep > 0 else 0.0
+        return now - 100.0
+
+    # 40 ms passes at a time scale of 200: 1,000 of them are 0.2 s of real time, not the
+    # 1 s one tick-long sleep a pass would take.
+    assert run(1000, 0.0002, overhead_s=0.00001) == pytest.approx(0.2, abs=0.002)
+    # Passes that are long against the tick keep their own durations.
+    assert run(10, 0.01, overhead_s=0.0001) == pytest.approx(0.1, abs=0.002)
+    # A loop slower than its pace (its own work) runs flat out, not ahead of it.
+    assert run(1000, 0.0002, overhead_s=0.001) == pytest.approx(1.0)
+    # Fallen behind, it catches up at most MAX_BEHIND_S of passes unslept.
+    pacer = Pacer()
+    pacer.restart(0.0)
+    assert pacer.delay(1.0, 0.0002) == 0.0
+    assert pacer.due == pytest.approx(1.0 - MAX_BEHIND_S + 0.0002)
+
+
 def test_gpu_mode_streams(gpu: str) -> None:
     body = {"input_ids": fresh(8), "stream": True, "sampling_params": {"max_new_tokens": 30}}
     resp = requests.post(gpu + "/generate", json=body, timeout=30)
