@@ -352,10 +352,11 @@ def test_the_prefix_cache_report_puts_the_legs_side_by_side() -> None:
     assert rows["cache hit rate, turns 2-4"][:2] == ["0.750", "0.000"]
 
 
-def _leg(concurrency: int | str, tok_per_s: float, running: float = 30,
+def _leg(concurrency: int | str, whole: float, window: float = 300, running: float = 30,
          inflight: float = 36, at_close: int = 3) -> dict[str, object]:
-    return {"concurrency": concurrency, "tok_per_s": tok_per_s, "median_running": running,
-            "median_inflight": inflight, "inflight_at_close": at_close}
+    return {"concurrency": concurrency, "whole_tok_per_s": whole, "tok_per_s": window,
+            "median_running": running, "median_inflight": inflight,
+            "inflight_at_close": at_close}
 
 
 def test_concurrency_compares_the_median_legs_of_each_concurrency() -> None:
@@ -371,6 +372,26 @@ def test_concurrency_compares_the_median_legs_of_each_concurrency() -> None:
     # In flight: auto's worst leg, against the most any leg kept running.
     assert (s["auto_inflight"], s["auto_inflight_at_close"]) == (38, 5)
     assert s["running_capacity"] == 31 and s["inflight_vs_capacity"] == pytest.approx(38 / 31)
+
+
+def test_concurrency_judges_the_stored_rate_and_shows_the_window_beside() -> None:
+    # 512 decodes the most in the window (a deep queue putting recompute off), 64 stores
+    # the most over the leg: the target's ratio is on the stored rate, each with its best.
+    legs = [_leg("auto", 300, window=310), _leg(64, 306, window=302),
+            _leg(512, 296, window=321)]
+    s = concurrency_summary("agentic", legs)
+    assert (s["best_fixed"], s["ratio"]) == (64, pytest.approx(300 / 306))
+    assert (s["window_best_fixed"], s["window_ratio"]) == (512, pytest.approx(310 / 321))
+    assert s["window_medians"] == {"auto": 310, "64": 302, "512": 321}
+
+
+def test_concurrency_polls_once_a_server_second_at_any_time_scale() -> None:
+    from bench.concurrency import MIN_POLL_S, SHAPES, Shape, parse
+
+    assert parse([]).poll == 1.0  # the worker's default, read as the server's seconds
+    assert Shape(800, 600, time_scale=5.0, generations=6).poll_s(1.0) == pytest.approx(0.2)
+    assert SHAPES["agentic"].poll_s(1.0) == pytest.approx(1 / SHAPES["agentic"].time_scale)
+    assert Shape(800, 600, time_scale=1000.0, generations=6).poll_s(1.0) == MIN_POLL_S
 
 
 def test_concurrency_longer_scales_the_budget() -> None:
