@@ -32,8 +32,10 @@ runs, when prompt lengths spread) and the best of single draws is the luckiest o
 
 Targets: auto's stored rate >= 0.98 of the best fixed concurrency's (``summary`` says
 why the stored rate, and not the window's); auto's in flight (the window's median, and
-at the close) <= 1.25x the running capacity. The budgets are a few generations of
-requests, not 10M tokens, so that a leg takes a minute or two.
+at the close) <= 1.25x the running capacity. The shapes' own budgets are a few
+generations of requests, so that a leg takes a minute or two; on them a deep queue's
+deferred recompute outlasts the window and the close. ``--budget 10M --time-scale 100``
+runs a real run's budget (agentic: some 6 minutes a leg; chat at 50).
 
     python -m bench.concurrency [--quick] [--shapes chat,code,agentic] [--repeats N]
                                 [--legs auto,64] [--longer K | --budget 10M]
@@ -55,12 +57,14 @@ from typing import Any, Literal
 import requests
 
 from bench.harness import (
+    MIN_POLL_S,
     WORKDIR,
     Processes,
     bench_settings,
     clean_workdir,
     fresh_db,
     fresh_redis,
+    scaled_poll_s,
     sim_requests,
     sim_reset,
     start_sim,
@@ -82,10 +86,8 @@ TARGET_INFLIGHT = 1.25
 WINDOW = (0.2, 0.7)
 LEG_TIMEOUT_S = 1200.0
 # Real seconds between two readings of the server and the ledger: the close is known to
-# within this times the time scale on the server's clock (3 s on agentic).
+# within this times the time scale on the server's clock (3 s at agentic's own scale).
 WATCH_S = 0.1
-# The shortest real poll interval: each poll is a /v1/loads request and a Redis step.
-MIN_POLL_S = 0.02
 Concurrency = int | Literal["auto"]
 
 
@@ -100,13 +102,6 @@ class Shape:
     def running_estimate(self) -> int:
         """What the reference server keeps running: its cap, or what its KV pool holds."""
         return min(48, 159_000 // (self.prompt_tokens + self.output_tokens // 2))
-
-    def poll_s(self, server_s: float) -> float:
-        """The real interval that polls every ``server_s`` of the server's clock. Unscaled,
-        auto's first steps (from a limit of 2, at most doubling a poll) would take the
-        time scale times longer on the server's clock than on a real server: 15 simulated
-        seconds a poll on agentic, most of a short budget's start."""
-        return max(MIN_POLL_S, server_s / self.time_scale)
 
     def budget_tokens(self, quick: bool, longer: int = 1) -> int:
         gens = max(2, self.generations // 2) if quick else self.generations * longer
@@ -211,7 +206,8 @@ def leg(procs: Processes, url: str, folder: Path, name: str, shape: Shape,
     settle_server(url)
     redis_client = fresh_redis()
     settings = bench_settings(fresh_db("sqlite", "concurrency"), url, concurrency)
-    settings = settings.replace(load_poll_s=shape.poll_s(args.poll), max_concurrency=256)
+    settings = settings.replace(load_poll_s=scaled_poll_s(shape.time_scale, args.poll),
+                                max_concurrency=256)
     budget = leg_budget(shape, args)
     enqueue(settings, folder, budget=Budget(budget, policy="abort"),
             max_new_tokens=4 * shape.output_tokens, max_seq_len=65_536)

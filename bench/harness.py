@@ -166,6 +166,18 @@ def bench_settings(db_url: str, sim_url: str,
                     request_timeout_s=600, retry_base_s=0.2, retry_max_s=2.0)
 
 
+# The shortest real load-poll interval: each poll is a /v1/loads request and a Redis step.
+MIN_POLL_S = 0.02
+
+
+def scaled_poll_s(time_scale: float, server_s: float = Settings().load_poll_s) -> float:
+    """The real load-poll interval that polls every ``server_s`` of a time-scaled
+    simulator's clock, as a worker polls an unscaled server. Unscaled, auto's first steps
+    (from a limit of 2, at most doubling a poll) take the time scale times longer on the
+    server's clock than on a real server: 30 simulated seconds a poll at a scale of 30."""
+    return max(MIN_POLL_S, server_s / time_scale)
+
+
 # -- services --------------------------------------------------------------------------------
 
 _locks: list[Any] = []

@@ -35,6 +35,7 @@ from bench.harness import (
     clean_workdir,
     fresh_db,
     fresh_redis,
+    scaled_poll_s,
     start_sim,
     start_worker,
     wait_until,
@@ -93,6 +94,8 @@ def one_leg(procs: Processes, args: argparse.Namespace, url: str, folder: Any,
     budget = FULL_BUDGET // args.scale
     threads: int | Literal["auto"] = "auto" if concurrency == "auto" else int(concurrency)
     settings = bench_settings(fresh_db("sqlite", "refrun"), url, threads)
+    # Auto polls once a second of the server's clock, as it would an unscaled server.
+    settings = settings.replace(load_poll_s=scaled_poll_s(args.time_scale))
     summaries = enqueue(settings, folder, Budget(budget, "output", "drain"),
                         max_new_tokens=16384)
     names = [s.name for s in summaries]

@@ -386,12 +386,13 @@ def test_concurrency_judges_the_stored_rate_and_shows_the_window_beside() -> Non
 
 
 def test_concurrency_polls_once_a_server_second_at_any_time_scale() -> None:
-    from bench.concurrency import MIN_POLL_S, SHAPES, Shape, parse
+    from bench.concurrency import parse
+    from bench.harness import MIN_POLL_S, scaled_poll_s
 
     assert parse([]).poll == 1.0  # the worker's default, read as the server's seconds
-    assert Shape(800, 600, time_scale=5.0, generations=6).poll_s(1.0) == pytest.approx(0.2)
-    assert SHAPES["agentic"].poll_s(1.0) == pytest.approx(1 / SHAPES["agentic"].time_scale)
-    assert Shape(800, 600, time_scale=1000.0, generations=6).poll_s(1.0) == MIN_POLL_S
+    assert scaled_poll_s(5.0, 1.0) == pytest.approx(0.2)
+    assert scaled_poll_s(30.0) == pytest.approx(1 / 30)
+    assert scaled_poll_s(1000.0) == MIN_POLL_S
 
 
 def test_concurrency_longer_scales_the_budget() -> None:
