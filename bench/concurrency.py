@@ -319,9 +319,10 @@ def summary(name: str, legs: list[dict[str, Any]]) -> dict[str, Any]:
     whole leg (the target's) and the tokens decoded in the window (shown beside).
 
     The target is the stored rate because it is what a user's GPU-hours buy. The window's
-    decoded rate counts tokens a deep queue will not store: the retracted requests it
-    parks behind its queue (their recompute put off past the window) are aborted at the
-    close, partial outputs and all. Each concurrency's rate is the median of its legs
+    decoded rate counts tokens a deep queue may never store: it parks retracted requests
+    behind itself (their recompute put off past the window), and on a budget short
+    against its queue's turnover they are still waiting at the close, which aborts them,
+    partial outputs and all. Each concurrency's rate is the median of its legs
     (auto's too): a fixed leg of many threads sends in the order its threads race for the
     messages, so one leg is one draw of request compositions, and the best of a sweep of
     single draws is its luckiest."""

@@ -62,7 +62,7 @@ def _routing(r: Any) -> list[Row]:
 
 
 def _concurrency(r: Any) -> list[Row]:
-    return [_row("concurrency", "auto / best fixed, output tok/s (worst shape)",
+    return [_row("concurrency", "auto / best fixed, output stored a second (worst shape)",
                  _med(r, "worst_ratio"), ".3f", ">= 0.98", lambda v: v >= 0.98),
             _row("concurrency", "auto in flight / running capacity (worst shape)",
                  _med(r, "worst_inflight_vs_capacity"), ".2f", "<= 1.25",
