@@ -86,11 +86,30 @@ def running_worker(settings: Settings, concurrency: int = 16) -> Iterator[Celery
                           perform_ping_check=False, shutdown_timeout=30) as worker:
             yield app
     finally:
-        # Celery's test worker ends by a cold shutdown, which sends no worker_shutdown (a
-        # real worker's process ends there). Without it the heartbeat thread would go on
-        # beating, and pair a Redis that a later test flushed with this test's database.
+        # Celery's test worker ends by a cold shutdown, which neither waits for the tasks
+        # its pool threads still run nor sends worker_shutdown (a real worker's process
+        # ends there). A task that went on would find the ledger of a Redis that the test's
+        # fixture flushed, rebuild it and pair it with this test's database, as would the
+        # heartbeat thread; the next test using that Redis would then be refused.
         if worker is not None:
+            _wait_for_tasks(worker)
             signals.worker_shutdown.send(sender=worker)
+
+
+# Longest a stopped test worker's running tasks are waited for (a request's answer).
+TASKS_WAIT_S = 30.0
+
+
+def _wait_for_tasks(worker: Any) -> None:
+    """Cancel the tasks a stopped worker's thread pool has not started and wait (up to
+    ``TASKS_WAIT_S``) for those it runs."""
+    executor = getattr(getattr(worker, "pool", None), "executor", None)
+    if executor is None:  # not the threads pool
+        return
+    waiter = threading.Thread(target=executor.shutdown,
+                              kwargs={"wait": True, "cancel_futures": True}, daemon=True)
+    waiter.start()
+    waiter.join(TASKS_WAIT_S)
 
 
 def enqueue_paths(
