@@ -45,12 +45,11 @@ runs a real run's budget (agentic: some 6 minutes a leg; chat at 50).
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import math
 import statistics
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Literal
 
@@ -58,6 +57,7 @@ import requests
 
 from bench.harness import (
     MIN_POLL_S,
+    SERVER_POLL_S,
     WORKDIR,
     Processes,
     bench_settings,
@@ -76,7 +76,6 @@ from bench.synth import enqueue, write_dataset
 from common.budget import Budget, parse_budget_tokens
 from common.errors import ConfigError
 from common.ledger import Ledger
-from common.settings import Settings
 
 SWEEP = (16, 32, 64, 128, 256, 512)
 QUICK_SWEEP = (16, 64, 256)
@@ -120,7 +119,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help=f"sweep {QUICK_SWEEP}, half budgets")
     p.add_argument("--shapes", default=",".join(SHAPES))
-    p.add_argument("--poll", type=float, default=Settings().load_poll_s,
+    p.add_argument("--poll", type=float, default=SERVER_POLL_S,
                    help="auto's load poll interval in seconds of the server's clock, as on "
                         "an unscaled server (default: the worker's, %(default)s s); the "
                         "worker polls every poll / time scale real seconds, at least "
@@ -297,7 +296,7 @@ def prompts(shape_name: str, shape: Shape, n: int) -> Path:
 def run_shape(procs: Processes, name: str, shape: Shape,
               args: argparse.Namespace) -> list[dict[str, Any]]:
     if args.time_scale:
-        shape = dataclasses.replace(shape, time_scale=args.time_scale)
+        shape = replace(shape, time_scale=args.time_scale)
     n = math.ceil(1.5 * leg_budget(shape, args) / shape.output_tokens) + max(SWEEP)
     folder = prompts(name, shape, n)
     url, sim = start_sim(procs, slots=48, mean_output=shape.output_tokens, name=f"sim-{name}",

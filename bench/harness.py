@@ -168,9 +168,11 @@ def bench_settings(db_url: str, sim_url: str,
 
 # The shortest real load-poll interval: each poll is a /v1/loads request and a Redis step.
 MIN_POLL_S = 0.02
+# How often a worker polls a server's load by default, in the server's seconds.
+SERVER_POLL_S = Settings().load_poll_s
 
 
-def scaled_poll_s(time_scale: float, server_s: float = Settings().load_poll_s) -> float:
+def scaled_poll_s(time_scale: float, server_s: float = SERVER_POLL_S) -> float:
     """The real load-poll interval that polls every ``server_s`` of a time-scaled
     simulator's clock, as a worker polls an unscaled server. Unscaled, auto's first steps
     (from a limit of 2, at most doubling a poll) take the time scale times longer on the
