@@ -279,6 +279,31 @@ def machine_seconds() -> dict[str, float]:
     return {MACHINE: (user + nice + system + irq + softirq) / CLK_TCK, STEAL: steal / CLK_TCK}
 
 
+DATABASE = "database"  # key prefix of the database server's processes in a leg's CPU
+
+
+def database_seconds(url: str) -> dict[str, float]:
+    """CPU seconds so far of each process of the PostgreSQL server at ``url`` when it runs
+    on this machine (its backends and its own workers: WAL writer, checkpointer...), as
+    ``database:<pid>``; nothing for SQLite, which runs in the worker. One connection
+    asks, and its own backend is left out."""
+    engine_url = sa.make_url(sqlalchemy_url(url))
+    if not engine_url.drivername.startswith("postgresql") or engine_url.host not in (
+            "127.0.0.1", "localhost"):
+        return {}
+    engine = sa.create_engine(engine_url, poolclass=sa.pool.NullPool)
+    try:
+        with engine.connect() as conn:
+            pids = conn.scalars(sa.text(
+                "SELECT pid FROM pg_stat_activity WHERE pid <> pg_backend_pid()")).all()
+    except sa.exc.DBAPIError:
+        return {}
+    finally:
+        engine.dispose()
+    return {f"{DATABASE}:{pid}": cpu_seconds(pid) for pid in pids
+            if Path(f"/proc/{pid}").exists()}
+
+
 def redis_pid(url: str) -> int | None:
     """The Redis server's pid when it runs on this machine (its CPU is then measurable)."""
     client = redis.Redis.from_url(url)

@@ -36,6 +36,7 @@ import requests
 from bench import profiling
 from bench import runs as bench_runs
 from bench.harness import (
+    DATABASE,
     MACHINE,
     STEAL,
     WORKDIR,
@@ -327,17 +328,19 @@ def report(args: argparse.Namespace, legs: dict[str, list[Leg]],
         sim_ms = Summary.of([leg.cpu_ms_per_task("sim") for leg in runs])
         sim_core = Summary.of([100 * leg.cpu_s["sim"] / leg.window_s for leg in runs])
         redis_ms = Summary.of([leg.cpu_ms_per_task("redis") for leg in runs])
+        database_ms = Summary.of([leg.cpu_ms_per_task(DATABASE) for leg in runs])
         machine_ms = Summary.of([leg.cpu_ms_per_task(MACHINE) for leg in runs])
         steal = Summary.of([100 * leg.cpu_s.get(STEAL, 0.0) / leg.window_s for leg in runs])
         rows.append((runs[0].label, rate.fmt(), ratio.fmt(3), worker_ms.fmt(2),
                      worker_cs.fmt(1), consumer_ms.fmt(2), sim_ms.fmt(2), sim_core.fmt(0),
-                     redis_ms.fmt(2), machine_ms.fmt(2), steal.fmt(0)))
+                     redis_ms.fmt(2), database_ms.fmt(2), machine_ms.fmt(2), steal.fmt(0)))
         figures[kind] = {"rate": rate, "ratio_to_bare": ratio, "worker_cpu_ms_per_task":
                          worker_ms, "worker_switches_per_task": worker_cs,
                          "consumer_cpu_ms_per_task": consumer_ms,
                          "consumer_switches_per_task": consumer_cs,
                          "sim_cpu_ms_per_task": sim_ms, "sim_core_pct": sim_core,
                          "redis_cpu_ms_per_task": redis_ms,
+                         "database_cpu_ms_per_task": database_ms,
                          "machine_cpu_ms_per_task": machine_ms, "steal_core_pct": steal,
                          "worker_processes": max(leg.worker_processes for leg in runs)}
     table(f"overhead at max rate: {args.samples} samples/leg, {args.rounds} rounds, "
@@ -345,7 +348,8 @@ def report(args: argparse.Namespace, legs: dict[str, list[Leg]],
           ["leg", "completions/s", "ratio to bare", "worker CPU ms/task",
            "worker switches/task", "consumer (main thread) CPU ms/task",
            "sim CPU ms/task", "sim % of a core",
-           "Redis CPU ms/task", "machine CPU ms/task", "steal % of a core"], rows)
+           "Redis CPU ms/task", "PostgreSQL CPU ms/task", "machine CPU ms/task",
+           "steal % of a core"], rows)
     checks = [(k, figures[k]["rate"].median, figures[k]["ratio_to_bare"].median)
               for k in legs if not k.startswith("bare")]
     table("targets: ratio >= 0.8 and >= 400 completions/s", ["leg", "rate", "ratio"],

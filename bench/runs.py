@@ -19,10 +19,12 @@ from typing import Any
 import sqlalchemy as sa
 
 from bench.harness import (
+    DATABASE,
     WORKDIR,
     Processes,
     context_switches,
     cpu_seconds,
+    database_seconds,
     machine_seconds,
     main_thread,
     redis_pid,
@@ -90,19 +92,21 @@ STALL_S = 60.0
 
 
 def watch(sim_url: str, expected: int, pids: dict[str, int], timeout_s: float,
-          stall_s: float = STALL_S) -> Usage:
-    """Wait for ``expected`` finished requests; what ``pids`` used in between."""
+          stall_s: float = STALL_S, database_url: str = "") -> Usage:
+    """Wait for ``expected`` finished requests; what ``pids`` used in between, and the
+    database server's processes at ``database_url`` (``harness.database_seconds``: one
+    that started in between is counted from its start, one that ended is left out)."""
     deadline = time.monotonic() + timeout_s
     start: Usage | None = None
     done, last, moved = 0, -1, time.monotonic()
     while time.monotonic() < deadline:
         done = sim_completed(sim_url)
         if start is None and done >= 1:
-            start = _usage(pids)
+            start = _usage(pids, database_url)
         if done >= expected:
-            end = _usage(pids)
+            end = _usage(pids, database_url)
             first = start or end
-            return ({k: end[0][k] - first[0][k] for k in end[0]},
+            return ({k: end[0][k] - first[0].get(k, 0.0) for k in end[0]},
                     {k: end[1][k] - first[1][k] for k in end[1]})
         gone = [k for k, pid in pids.items() if not running(pid)]
         if gone:
@@ -121,9 +125,10 @@ def watch(sim_url: str, expected: int, pids: dict[str, int], timeout_s: float,
 MAIN = "main:"
 
 
-def _usage(pids: dict[str, int]) -> Usage:
+def _usage(pids: dict[str, int], database_url: str = "") -> Usage:
     mains = {MAIN + k: main_thread(p) for k, p in pids.items() if k.startswith("worker")}
-    return ({**{k: cpu_seconds(p) for k, p in pids.items()}, **machine_seconds(),
+    database = database_seconds(database_url) if database_url else {}
+    return ({**{k: cpu_seconds(p) for k, p in pids.items()}, **machine_seconds(), **database,
              **{k: cpu for k, (cpu, _) in mains.items()}},
             {**{k: context_switches(p) for k, p in pids.items()},
              **{k: n for k, (_, n) in mains.items()}})
@@ -138,9 +143,11 @@ def service_pids(settings: Settings) -> dict[str, int]:
 def measured_leg(label: str, sim_url: str, cpu: dict[str, float],
                  switches: dict[str, int]) -> Leg:
     """The leg as the server's log and ``watch`` saw it, with every ``worker*`` process
-    summed under "workers" and their main threads under "consumers"."""
+    summed under "workers", their main threads under "consumers" and the database
+    server's processes under "database"."""
     leg = busy_window(sim_requests(sim_url), Leg(label, cpu_s=cpu, switches=switches))
-    for total, prefix in (("workers", "worker"), ("consumers", MAIN)):
+    for total, prefix in (("workers", "worker"), ("consumers", MAIN),
+                          (DATABASE, f"{DATABASE}:")):
         leg.cpu_s[total] = sum(v for k, v in cpu.items() if k.startswith(prefix))
         leg.switches[total] = sum(v for k, v in switches.items() if k.startswith(prefix))
     return leg
@@ -182,7 +189,7 @@ def _watch_workers(started: list[subprocess.Popen[bytes]], settings: Settings,
         on_start(started)
     pids = {"sim": sim[1], **service_pids(settings),
             **{f"worker{k}": p.pid for k, p in enumerate(started)}}
-    return watch(sim[0], expected, pids, timeout_s)
+    return watch(sim[0], expected, pids, timeout_s, database_url=settings.database_url)
 
 
 def dump_payloads(settings: Settings, out: Path) -> list[str]:

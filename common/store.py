@@ -11,6 +11,7 @@ from datetime import UTC, datetime
 from typing import Any
 
 import sqlalchemy as sa
+from sqlalchemy.dialects import postgresql
 
 from common.budget import Budget, cost_on
 from common.db import insert_ignore, make_engine
@@ -169,6 +170,31 @@ def _mark_done(n: int) -> sa.Update:
             .values(state="done", error=None, updated_at=sa.bindparam("now")))
 
 
+@functools.cache
+def _stored_on_postgresql() -> sa.Select[Any]:
+    """PostgreSQL: store results and mark their prompts done in one statement, RETURNING
+    the keys it stored. The rows come as one array a column (``r_<column>``, and ``now``):
+    the statement's text is the same for any number of rows, so psycopg converts it once
+    and the server plans it once per connection (a prepared statement), where a
+    multi-row INSERT and an UPDATE of n keys differ for each n. As one statement it also
+    needs no BEGIN and COMMIT of its own: one round trip where there were four."""
+    src = sa.func.unnest(*(
+        sa.bindparam(f"r_{c}", type_=postgresql.ARRAY(results.c[c].type, dimensions=1))
+        for c in _RESULT_COLUMNS)).table_valued(
+            *(sa.column(c, results.c[c].type) for c in _RESULT_COLUMNS)).render_derived()
+    rows = sa.select(src).cte("r")
+    now = sa.bindparam("now", type_=results.c.created_at.type)
+    stored = (postgresql.insert(results)
+              .from_select([*_RESULT_COLUMNS, "created_at"],
+                           sa.select(*(rows.c[c] for c in _RESULT_COLUMNS), now))
+              .on_conflict_do_nothing()
+              .returning(results.c.dataset, results.c.sample_id).cte("stored"))
+    done = (sa.update(prompts)
+            .where(prompts.c.dataset == rows.c.dataset, prompts.c.sample_id == rows.c.sample_id)
+            .values(state="done", error=sa.null(), updated_at=now).cte("done"))
+    return sa.select(stored.c.dataset, stored.c.sample_id).add_cte(done)
+
+
 class Store:
     def __init__(self, url: str, connections: int = DEFAULT_DB_CONNECTIONS) -> None:
         """``connections``: most connections to PostgreSQL this store holds at once."""
@@ -184,10 +210,11 @@ class Store:
                                                               results.c.sample_id),
                 insert_ignore(self.engine, conversations))
 
-    def _reading(self) -> sa.Connection:
-        """A connection for one statement that only reads. On PostgreSQL in autocommit: a
-        transaction around it would cost a BEGIN and a ROLLBACK, a round trip each, for
-        nothing (on SQLite, leaving autocommit costs a statement of its own)."""
+    def _one_statement(self) -> sa.Connection:
+        """A connection for one statement that only reads, or writes all it writes by
+        itself. On PostgreSQL in autocommit, where a statement is its own transaction: a
+        transaction around it would cost a BEGIN and a COMMIT or ROLLBACK, a round trip
+        each, for nothing (on SQLite, leaving autocommit costs a statement of its own)."""
         conn = self.engine.connect()
         if self.engine.dialect.name == "postgresql":
             conn.execution_options(isolation_level="AUTOCOMMIT")
@@ -408,7 +435,7 @@ class Store:
         if not keys:
             return []
         unique = dict.fromkeys(keys)
-        with self._reading() as conn:
+        with self._one_statement() as conn:
             found = {(r.dataset, r.sample_id): PromptRow(*r)
                      for r in conn.execute(_prompts_read(len(unique)), key_params(unique))}
         return [found.get(key) for key in keys]
@@ -460,6 +487,8 @@ class Store:
         if not rows:
             return set()
         now = utcnow()
+        if self.engine.dialect.name == "postgresql":
+            return self._save_results_on_postgresql(rows, then, now)
         # RETURNING, not rowcount: psycopg reports -1 for ON CONFLICT DO NOTHING.
         into_results = self._inserts[2]
         keys = dict.fromkeys(r.key for r in rows)
@@ -467,6 +496,21 @@ class Store:
             stored = conn.execute(into_results, [_result_values(r, now) for r in rows])
             inserted = {(dataset, sample_id) for dataset, sample_id in stored}
             conn.execute(_mark_done(len(keys)), {"now": now, **key_params(keys)})
+            self._insert_prompts(conn, then)
+        return inserted
+
+    def _save_results_on_postgresql(self, rows: Sequence[ResultRow], then: Sequence[NewPrompt],
+                                    now: datetime) -> set[tuple[str, str]]:
+        values = [_result_values(r, now) for r in rows]
+        params: dict[str, Any] = {f"r_{c}": [v[c] for v in values] for c in _RESULT_COLUMNS}
+        params["now"] = now
+        if not then:
+            with self._one_statement() as conn:
+                return {(dataset, sample_id) for dataset, sample_id
+                        in conn.execute(_stored_on_postgresql(), params)}
+        with self.engine.begin() as conn:
+            inserted = {(dataset, sample_id) for dataset, sample_id
+                        in conn.execute(_stored_on_postgresql(), params)}
             self._insert_prompts(conn, then)
         return inserted
 

@@ -25,6 +25,7 @@ from bench.harness import (
     _answers,
     context_switches,
     cpu_seconds,
+    database_seconds,
     free_port,
     main_thread,
     wait_until,
@@ -166,6 +167,24 @@ def test_the_main_threads_own_cpu_and_switches_leave_out_the_other_threads() -> 
     assert switches1 - switches0 < 20 <= all_switches - switches1
 
 
+def test_the_database_servers_cpu_counts_the_backend_that_worked() -> None:
+    """A backend that spends CPU shows it under its pid; SQLite has no server to count."""
+    engine = sa.create_engine(POSTGRES_URL, poolclass=sa.pool.NullPool)
+    with engine.connect() as conn:
+        pid = conn.scalar(sa.text("SELECT pg_backend_pid()"))
+        before = database_seconds(POSTGRES_URL)
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:  # at least 0.3 s of this backend's CPU
+            conn.scalar(sa.text("SELECT count(*) FROM generate_series(1, 2000000)"))
+            if database_seconds(POSTGRES_URL)[f"database:{pid}"] - before[f"database:{pid}"] \
+                    >= 0.3:
+                break
+        else:
+            pytest.fail("the backend's CPU never showed")
+    engine.dispose()
+    assert database_seconds("sqlite:////tmp/x.db") == {}
+
+
 def test_a_leg_that_stops_progressing_fails_fast_naming_the_cause(tmp_path: Path) -> None:
     """A leg whose server finishes nothing (workers failing every task) or whose process
     died fails within seconds, not at the leg's full timeout."""
@@ -204,6 +223,9 @@ def test_make_bench_runs_end_to_end_at_quick_scale(tmp_path: Path,
         # Every task blocks at least on its HTTP answer: a worker that made no switch
         # would mean the count reads the wrong process or threads.
         assert results["overhead"][kind]["worker_switches_per_task"]["median"] >= 1, kind
+    # Only the PostgreSQL leg has a database server's processes to count.
+    assert results["overhead"]["postgresql"]["database_cpu_ms_per_task"]["median"] > 0
+    assert results["overhead"]["sqlite"]["database_cpu_ms_per_task"]["median"] == 0
     assert results["overhead"]["sqlite"]["ratio_to_bare"]["n"] == 2
     assert any("crossing" in case for case in results["guard"]["cases"])
     # The close with every rid sent to every server is the one case marked as a reference.
