@@ -39,13 +39,27 @@ def is_event_stream(resp: requests.Response) -> bool:
     return resp.headers.get("Content-Type", "").startswith("text/event-stream")
 
 
+def _lines(resp: requests.Response) -> Iterator[bytes]:
+    """The answer's lines as they arrive. A chunked answer (SGLang's: an event a chunk) is
+    read a chunk at a time, whatever its size: a final chunk holding a long output's ids
+    is then one read, not one per 512 bytes as ``iter_lines`` would make it. An answer
+    that is not chunked is read 512 bytes at a time, since a read of no fixed size would
+    wait for its end, and the first chunk's moment with it."""
+    pending = b""
+    for piece in resp.iter_content(chunk_size=None if resp.raw.chunked else 512):
+        *lines, pending = (pending + piece).split(b"\n")
+        yield from lines
+    if pending:
+        yield pending
+
+
 def _events(resp: requests.Response, server: str) -> Iterator[dict[str, Any]]:
     """The stream's events, read to the end of the body (past ``[DONE]``): a response read
     whole gives its connection back to the session's pool, one left unread is closed, and
     every request would open a new connection."""
     try:
         done = False
-        for line in resp.iter_lines():
+        for line in _lines(resp):
             if done or not line.startswith(_DATA):
                 continue
             data = line[len(_DATA):].strip()

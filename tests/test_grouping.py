@@ -158,6 +158,21 @@ def test_a_leader_waits_for_company_only_while_calls_come_closer_than_its_linger
     assert time.monotonic() - started >= 0.3
 
 
+def test_how_dense_calls_must_be_for_a_leader_to_wait_is_set_apart_from_its_wait() -> None:
+    # Calls 50 ms apart on average: sparser than the 20 ms that makes a leader wait, though
+    # closer than its 300 ms wait.
+    group: GroupCall[int, int] = GroupCall(lambda items: items, max_group=8, linger_s=0.3,
+                                           dense_gap_s=0.02)
+    group.gap_s = 0.05
+    started = time.monotonic()
+    assert group(1) == 1
+    assert time.monotonic() - started < 0.3
+    group.gap_s = 0.01  # denser than 20 ms: it waits its whole 300 ms for company
+    started = time.monotonic()
+    assert group(2) == 2
+    assert time.monotonic() - started >= 0.3
+
+
 def test_a_lingering_leader_goes_on_once_enough_callers_wait() -> None:
     # Calls come densely (no gap yet), so the leader lingers; it stops at three callers,
     # not at the group's limit of eight nor after its 30 s linger.

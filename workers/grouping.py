@@ -21,17 +21,21 @@ R = TypeVar("R")
 Outcomes = Sequence["R | BaseException"]
 # Weight of the newest gap in the moving mean of the time between calls.
 GAP_WEIGHT = 0.2
-# One long pause counts as this many lingers at most, so that after an idle spell the mean
-# is back below the linger within a few calls of a new burst.
+# One long pause counts as this many dense gaps at most, so that after an idle spell the
+# mean is back below the dense gap within a few calls of a new burst.
 GAP_CAP = 4
 # Most items one batch call takes: a worker's default concurrency.
 MAX_GROUP = 64
-# Longest a leader waits for company, and only while calls come closer together than this:
-# at a real server's pace (seconds a request) nobody waits. At full rate a commit on SQLite
-# is shorter than the gap between two results, so without a linger most groups would be
-# one row. 20 ms for both steps: at 10 ms tasks switched threads more and the rate fell,
-# 30 ms gained nothing.
-LINGER_S = 0.02
+# A leader waits for company only while calls come closer together than DENSE_GAP_S on
+# average, and then for at most LINGER_S. At a real server's pace (seconds a request, a
+# call every 30 ms or more from a worker of 64 threads) nobody waits: a task waiting
+# there holds a slot, and a place at a server, while its request could be running. At
+# full rate calls come milliseconds apart, and a commit on SQLite is shorter than the
+# gap between two results, so without a wait most groups would be one row; the longer
+# the wait, the fewer statements, round trips and thread hand-offs a task pays, as long
+# as the threads waiting in both steps stay a small share of the worker's.
+DENSE_GAP_S = 0.02
+LINGER_S = 0.04
 
 
 def _held() -> threading.Lock:
@@ -57,9 +61,10 @@ class GroupCall(Generic[T, R]):
     No thread of its own: the first caller to find no batch running waits up to
     ``linger_s`` for company, or until ``enough`` callers wait, then makes the batch call
     for everything waiting (up to ``max_group``), its own item included, while the
-    others wait. It waits only while calls come closer together
-    than ``linger_s`` on average: when they are sparser (a real server's pace, seconds a
-    request), nobody is likely to join and the wait would only delay the item. Each call
+    others wait. It waits only while calls come closer together than ``dense_gap_s``
+    (by default ``linger_s``) on average: when they are sparser (a real server's pace,
+    seconds a request), nobody is likely to join soon and the wait would only delay the
+    item. Each call
     returns only once its own item is served, with its own result, or raises its own
     error. A batch call that raises fails every item it held.
 
@@ -72,12 +77,14 @@ class GroupCall(Generic[T, R]):
     """
 
     def __init__(self, batch: Callable[[list[T]], Outcomes[R]], max_group: int,
-                 linger_s: float, enough: int | None = None) -> None:
+                 linger_s: float, enough: int | None = None,
+                 dense_gap_s: float | None = None) -> None:
         self.batch = batch
         self.max_group = max_group
         # A lingering leader goes on once this many wait (at most max_group).
         self.enough = min(max_group, enough or max_group)
         self.linger_s = linger_s
+        self.dense_gap_s = linger_s if dense_gap_s is None else dense_gap_s
         self.batches = self.items = 0
         # The leaders' time in batch calls: wall clock, and CPU of the leading thread (its
         # database driver and system calls included, not only its Python).
@@ -131,14 +138,14 @@ class GroupCall(Generic[T, R]):
         """Update the mean time between calls (called holding the mutex)."""
         now = time.monotonic()
         if self._last is not None:
-            gap = min(now - self._last, GAP_CAP * self.linger_s)
+            gap = min(now - self._last, GAP_CAP * self.dense_gap_s)
             self.gap_s += GAP_WEIGHT * (gap - self.gap_s)
         self._last = now
 
     def _linger(self) -> None:
         """Give other calls a moment to join (as the leader, not holding the mutex)."""
         with self._mutex:
-            if (self.linger_s <= 0 or self.gap_s > self.linger_s
+            if (self.linger_s <= 0 or self.gap_s > self.dense_gap_s
                     or len(self._waiting) >= self.enough):
                 return
             self._full.clear()

@@ -12,7 +12,7 @@ from collections.abc import Mapping
 from common.db import UNAVAILABLE
 from common.rows import NewPrompt, ResultRow
 from common.store import Store
-from workers.grouping import LINGER_S, MAX_GROUP, GroupCall, Outcomes
+from workers.grouping import DENSE_GAP_S, LINGER_S, MAX_GROUP, GroupCall, Outcomes
 
 
 class ResultWriter:
@@ -23,12 +23,12 @@ class ResultWriter:
     """
 
     def __init__(self, store: Store, max_group: int = MAX_GROUP,
-                 linger_s: float = LINGER_S) -> None:
+                 linger_s: float = LINGER_S, dense_gap_s: float = DENSE_GAP_S) -> None:
         self.store = store
         self._group: GroupCall[tuple[ResultRow, NewPrompt | None], bool] = GroupCall(
             lambda items: commit_rows(store, [row for row, _ in items],
                                       {row.key: then for row, then in items if then}),
-            max_group=max_group, linger_s=linger_s)
+            max_group=max_group, linger_s=linger_s, dense_gap_s=dense_gap_s)
 
     @property
     def commits(self) -> int:
