@@ -108,11 +108,15 @@ return redis.call('HINCRBY', KEYS[1], 'used', cost - prev)
 # samples charged so far: outputs are long-tailed, and the requests still running when a
 # budget is crossed are the long ones, so reserving only the mean lets drain overshoot.
 # A request is always admitted when nothing is in flight, so a dataset whose requests
-# finish short keeps moving.
+# finish short keeps moving. A rid already in flight is admitted as it stands: the same
+# call sent again (redis-py retries a command whose answer a dropped connection lost)
+# must not reserve its tokens twice.
 ADMIT = (
     _CLOSE_FN
     + """
 if redis.call('HGET', KEYS[1], 'state') == 'closed' then return {0, 0} end
+local held = redis.call('HGET', KEYS[3], ARGV[1])
+if held then return {1, tonumber(held)} end
 if not redis.call('HGET', KEYS[1], 'prompt_weight') then return {3, 0} end
 local used, budget, samples = num('used'), num('budget'), num('samples')
 local expected = tonumber(ARGV[3])

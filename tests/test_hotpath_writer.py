@@ -176,7 +176,8 @@ def test_rows_read_back_as_a_plain_sqlalchemy_insert_writes_them(db_url: str) ->
     store = Store(db_url)
     add_prompts(store, 2)
     fast = row(0, finish_detail={"type": "length", "length": 3}, e2e_latency_s=None,
-               output_text="é ✓ 'quoted'", output_ids=[0, 2**32 - 1, 17])
+               output_text="é ✓ 'quoted'", output_ids=[0, 2**32 - 1, 17],
+               sampling={"temperature": 0.7, "stop": ["é", "\n"]})
     core = dataclasses.asdict(fast) | {"sample_id": "s1"}
     assert store.save_results([fast]) == {("w", "s0")}
     with store.engine.begin() as conn:
@@ -194,6 +195,12 @@ def test_rows_read_back_as_a_plain_sqlalchemy_insert_writes_them(db_url: str) ->
     assert prompt_rows["s0"].state == "done" and prompt_rows["s0"].error is None
     assert type(prompt_rows["s0"].updated_at) is type(prompt_rows["s1"].updated_at)
     assert prompt_rows["s1"].state == "queued"
+    # The JSON as the database holds it, not only as it reads back: the exports copy it.
+    as_text = sa.select(results.c.sample_id, sa.cast(results.c.finish_detail, sa.Text),
+                        sa.cast(results.c.sampling, sa.Text))
+    with store.engine.connect() as conn:
+        stored = {sid: (detail, sampling) for sid, detail, sampling in conn.execute(as_text)}
+    assert stored["s0"] == stored["s1"]
 
 
 def test_fields_a_row_leaves_out_are_stored_as_their_defaults(db_url: str) -> None:

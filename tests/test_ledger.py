@@ -132,6 +132,17 @@ def test_admission_waits_when_in_flight_work_fills_the_budget(ledger: Ledger) ->
     assert ledger.admit("ds", "r4", 400, 400) is Admission.ADMITTED
 
 
+def test_an_admission_asked_again_for_its_rid_reserves_once(ledger: Ledger) -> None:
+    """The same ADMIT sent twice (a client's retry after a lost answer) holds one
+    reservation, which one release frees."""
+    ledger.configure("ds", Budget(1000))
+    assert ledger.admit("ds", "r1", 400, 400) is Admission.ADMITTED
+    assert ledger.admit("ds", "r1", 400, 400) is Admission.ADMITTED
+    assert (ledger.state("ds").inflight, ledger.state("ds").reserved_tokens) == (1, 400)
+    ledger.release("ds", "r1")
+    assert (ledger.state("ds").inflight, ledger.state("ds").reserved_tokens) == (0, 0)
+
+
 def test_admission_is_refused_once_closed_and_unknown_without_terms(ledger: Ledger) -> None:
     assert ledger.admit("nothing", "r1", 10, 10) is Admission.UNKNOWN
     ledger.configure("ds", Budget(1000))
