@@ -158,19 +158,23 @@ def test_a_leader_waits_for_company_only_while_calls_come_closer_than_its_linger
     assert time.monotonic() - started >= 0.3
 
 
-def test_how_dense_calls_must_be_for_a_leader_to_wait_is_set_apart_from_its_wait() -> None:
-    # Calls 50 ms apart on average: sparser than the 20 ms that makes a leader wait, though
-    # closer than its 300 ms wait.
-    group: GroupCall[int, int] = GroupCall(lambda items: items, max_group=8, linger_s=0.3,
-                                           dense_gap_s=0.02)
+def test_the_denser_the_calls_the_longer_a_leader_waits_for_company() -> None:
+    # Sparser than the 20 ms that makes a leader wait at all, though closer than its wait.
+    group: GroupCall[int, int] = GroupCall(lambda items: items, max_group=8, linger_s=0.2,
+                                           dense_gap_s=0.02, busy_gap_s=0.005,
+                                           busy_linger_s=0.5)
     group.gap_s = 0.05
     started = time.monotonic()
     assert group(1) == 1
-    assert time.monotonic() - started < 0.3
-    group.gap_s = 0.01  # denser than 20 ms: it waits its whole 300 ms for company
+    assert time.monotonic() - started < 0.2
+    group.gap_s, group._last = 0.01, None  # dense: its whole 200 ms wait, not the 500
     started = time.monotonic()
     assert group(2) == 2
-    assert time.monotonic() - started >= 0.3
+    assert 0.2 <= time.monotonic() - started < 0.5
+    group.gap_s, group._last = 0.001, None  # busier than 5 ms apart: its 500 ms wait
+    started = time.monotonic()
+    assert group(3) == 3
+    assert time.monotonic() - started >= 0.5
 
 
 def test_a_lingering_leader_goes_on_once_enough_callers_wait() -> None:

@@ -17,7 +17,7 @@ from sqlalchemy.exc import OperationalError
 
 from common.budget import Budget
 from common.ledger import Ledger
-from common.settings import Settings
+from common.settings import AUTO, Settings
 from common.store import Store
 from tests.helpers import assert_invariants, context_for, enqueue_paths, write_dataset
 from workers import steps
@@ -138,6 +138,24 @@ def test_an_outage_at_the_crossing_still_records_the_close(
     assert store.dataset("cross").state == "closed"
     assert store.dataset("cross").close_reason == "budget"
     assert run_sample(ctx, "cross", "cross-1") is Outcome.CLOSED
+
+
+def test_a_tasks_place_at_the_server_is_given_back_before_its_charge_and_store(
+        settings: Settings, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Under concurrency auto the place is the server's: once the answer is in, the next
+    request may have it while this one is charged and stored."""
+    ctx = context_for(settings.replace(concurrency=AUTO), tmp_path, "place", 1)
+    assert ctx.gate is not None
+    held_at_settle: list[int] = []
+    settle = ctx.settlements
+
+    def watched(item: Any) -> Any:
+        held_at_settle.append(sum(ctx.gate.inflight().values()) if ctx.gate else -1)
+        return settle(item)
+
+    monkeypatch.setattr(ctx, "settlements", watched)
+    assert run_sample(ctx, "place", "place-0") is Outcome.DONE
+    assert held_at_settle == [0]
 
 
 def test_expired_terms_are_read_again_by_one_task_while_the_others_go_on(

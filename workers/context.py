@@ -25,7 +25,7 @@ from common.store import DatasetRow, Store
 from common.tokenizer_files import code_class, load_tokenizer
 from workers import steps
 from workers.gate import Gate
-from workers.grouping import DENSE_GAP_S, LINGER_S, MAX_GROUP, GroupCall
+from workers.grouping import MAX_GROUP, GroupCall, step_group
 from workers.inflight import LiveRids
 from workers.metrics import WorkerMetrics
 from workers.results import ResultWriter
@@ -78,13 +78,11 @@ class WorkerContext:
         if self.settings.auto_concurrency:
             busy = min(busy, FALLBACK)
         enough = max(1, min(most, busy // 2))
-        self.admissions = GroupCall(lambda items: steps.admit_group(self.store, self.ledger, items),
-                                    max_group=most, linger_s=LINGER_S, enough=enough,
-                                    dense_gap_s=DENSE_GAP_S)
-        self.settlements = GroupCall(
+        self.admissions = step_group(
+            lambda items: steps.admit_group(self.store, self.ledger, items), most, enough)
+        self.settlements = step_group(
             lambda items: steps.settle_group(self.store, self.ledger, self.result_row, items,
-                                             self.next_turns.build),
-            max_group=most, linger_s=LINGER_S, enough=enough, dense_gap_s=DENSE_GAP_S)
+                                             self.next_turns.build), most, enough)
 
     @classmethod
     def build(cls, settings: Settings, app: Celery | None = None) -> WorkerContext:

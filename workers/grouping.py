@@ -29,13 +29,17 @@ MAX_GROUP = 64
 # A leader waits for company only while calls come closer together than DENSE_GAP_S on
 # average, and then for at most LINGER_S. At a real server's pace (seconds a request, a
 # call every 30 ms or more from a worker of 64 threads) nobody waits: a task waiting
-# there holds a slot, and a place at a server, while its request could be running. At
-# full rate calls come milliseconds apart, and a commit on SQLite is shorter than the
-# gap between two results, so without a wait most groups would be one row; the longer
-# the wait, the fewer statements, round trips and thread hand-offs a task pays, as long
-# as the threads waiting in both steps stay a small share of the worker's.
+# there holds a slot while its request could be running. At full rate calls come
+# milliseconds apart, and a commit on SQLite is shorter than the gap between two
+# results, so without a wait most groups would be one row.
 DENSE_GAP_S = 0.02
-LINGER_S = 0.04
+LINGER_S = 0.02
+# Closer together than BUSY_GAP_S (a request done every 5 ms or less: an instant server,
+# or requests under a third of a second on 64 threads) the worker's own CPU sets the
+# pace, and a longer wait shares each statement, script and thread hand-off among more
+# tasks for the same requests' time.
+BUSY_GAP_S = 0.005
+BUSY_LINGER_S = 0.04
 
 
 def _held() -> threading.Lock:
@@ -78,13 +82,16 @@ class GroupCall(Generic[T, R]):
 
     def __init__(self, batch: Callable[[list[T]], Outcomes[R]], max_group: int,
                  linger_s: float, enough: int | None = None,
-                 dense_gap_s: float | None = None) -> None:
+                 dense_gap_s: float | None = None, busy_gap_s: float = 0.0,
+                 busy_linger_s: float | None = None) -> None:
         self.batch = batch
         self.max_group = max_group
         # A lingering leader goes on once this many wait (at most max_group).
         self.enough = min(max_group, enough or max_group)
         self.linger_s = linger_s
         self.dense_gap_s = linger_s if dense_gap_s is None else dense_gap_s
+        self.busy_gap_s = busy_gap_s
+        self.busy_linger_s = linger_s if busy_linger_s is None else busy_linger_s
         self.batches = self.items = 0
         # The leaders' time in batch calls: wall clock, and CPU of the leading thread (its
         # database driver and system calls included, not only its Python).
@@ -148,8 +155,9 @@ class GroupCall(Generic[T, R]):
             if (self.linger_s <= 0 or self.gap_s > self.dense_gap_s
                     or len(self._waiting) >= self.enough):
                 return
+            wait = self.busy_linger_s if self.gap_s <= self.busy_gap_s else self.linger_s
             self._full.clear()
-        self._full.wait(self.linger_s)
+        self._full.wait(wait)
 
     def _serve(self, group: list[_Pending[T, R]]) -> None:
         wall, cpu = time.perf_counter(), time.thread_time()
@@ -176,3 +184,11 @@ class GroupCall(Generic[T, R]):
             else:
                 p.result = outcome
             p.done = True
+
+
+def step_group(batch: Callable[[list[T]], Outcomes[R]], max_group: int,
+               enough: int | None = None) -> GroupCall[T, R]:
+    """A worker step's GroupCall, with the waits above."""
+    return GroupCall(batch, max_group, linger_s=LINGER_S, enough=enough,
+                     dense_gap_s=DENSE_GAP_S, busy_gap_s=BUSY_GAP_S,
+                     busy_linger_s=BUSY_LINGER_S)

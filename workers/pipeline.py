@@ -138,6 +138,7 @@ def _generate(ctx: WorkerContext, prompt: PromptRow, server: str, rid: str,
     finally:
         if drain:
             ctx.started.forget(rid)
+    answered()  # the server is done with it: its place goes to the next request now
     if completion.finish_type == "abort":
         return _aborted(ctx, prompt.dataset, prompt.sample_id, rid, completion)
     return keep(ctx, ds, prompt.sample_id, completion, reasoning_closer(ds, prompt))

@@ -12,7 +12,7 @@ from collections.abc import Mapping
 from common.db import UNAVAILABLE
 from common.rows import NewPrompt, ResultRow
 from common.store import Store
-from workers.grouping import DENSE_GAP_S, LINGER_S, MAX_GROUP, GroupCall, Outcomes
+from workers.grouping import MAX_GROUP, GroupCall, Outcomes, step_group
 
 
 class ResultWriter:
@@ -22,13 +22,12 @@ class ResultWriter:
     message is never acked before its result is durable.
     """
 
-    def __init__(self, store: Store, max_group: int = MAX_GROUP,
-                 linger_s: float = LINGER_S, dense_gap_s: float = DENSE_GAP_S) -> None:
+    def __init__(self, store: Store, max_group: int = MAX_GROUP) -> None:
         self.store = store
-        self._group: GroupCall[tuple[ResultRow, NewPrompt | None], bool] = GroupCall(
+        self._group: GroupCall[tuple[ResultRow, NewPrompt | None], bool] = step_group(
             lambda items: commit_rows(store, [row for row, _ in items],
                                       {row.key: then for row, then in items if then}),
-            max_group=max_group, linger_s=linger_s, dense_gap_s=dense_gap_s)
+            max_group)
 
     @property
     def commits(self) -> int:
