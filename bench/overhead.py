@@ -78,7 +78,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
                    help="a leg per database with /metrics served and scraped")
     p.add_argument("--policy", choices=POLICIES, default="drain",
                    help="the datasets' budget policy (default %(default)s: its requests are "
-                        "streamed, to learn when they start)")
+                        "streamed, to learn when they start, by the pipeline and the bare "
+                        "task alike)")
     p.add_argument("--scrape-s", type=float, default=1.0,
                    help="seconds between scrapes in --metrics legs (default: %(default)s)")
     args = p.parse_args(argv)

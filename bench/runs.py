@@ -193,7 +193,8 @@ def _watch_workers(started: list[subprocess.Popen[bytes]], settings: Settings,
 
 
 def dump_payloads(settings: Settings, out: Path) -> list[str]:
-    """{"dataset/sample_id": {input_ids, sampling}} of every queued prompt; the queues."""
+    """{"dataset/sample_id": {input_ids, sampling, stream}} of every queued prompt; the
+    queues."""
     store = Store(settings.database_url)
     payloads: dict[str, Any] = {}
     names = store.dataset_names()
@@ -207,7 +208,9 @@ def dump_payloads(settings: Settings, out: Path) -> list[str]:
                 assert p is not None
                 payloads[f"{name}/{p.sample_id}"] = {
                     "input_ids": p.input_ids,
-                    "sampling": {**sampling, "max_new_tokens": p.max_new_tokens}}
+                    "sampling": {**sampling, "max_new_tokens": p.max_new_tokens},
+                    # Streamed as the pipeline streams it: a drain dataset's requests.
+                    "stream": ds.budget.policy == "drain"}
     store.engine.dispose()
     out.write_text(json.dumps(payloads))
     return [queue_name(n) for n in names]

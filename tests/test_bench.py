@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
 import subprocess
@@ -14,6 +15,7 @@ from pathlib import Path
 
 import pytest
 import redis
+import requests
 import sqlalchemy as sa
 
 from bench.__main__ import commands, parse
@@ -450,3 +452,21 @@ def test_concurrency_figures_split_the_leg_into_start_window_and_close() -> None
     # Retracted requests waiting at the window's end, and at the reading before the close.
     assert (f["owed_at_end"], f["owed_tokens_at_end"]) == (2, 200)
     assert (f["owed_at_close"], f["owed_tokens_at_close"]) == (3, 300)
+
+
+@pytest.mark.parametrize("stream", [True, False], ids=["drain", "plain"])
+def test_the_bare_task_makes_the_pipelines_call_streamed_where_it_streams(
+        sim: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, stream: bool) -> None:
+    """The overhead's baseline sends the body the pipeline sends: a drain dataset's
+    request streamed, with the stream's interval, and reads its answer whole."""
+    payloads = tmp_path / "payloads.json"
+    payloads.write_text(json.dumps({"d/s1": {
+        "input_ids": [11, 12, 13], "sampling": {"max_new_tokens": 8}, "stream": stream}}))
+    monkeypatch.setenv("DATAGEN_BENCH_PAYLOADS", str(payloads))
+    monkeypatch.setenv("DATAGEN_SGLANG_URL", sim)
+    monkeypatch.setenv("DATAGEN_REDIS_URL", REDIS_URL)
+    bare = importlib.reload(importlib.import_module("bench.bare_worker"))
+    tokens = bare.generate.run("d", "s1")
+    log = requests.get(f"{sim}/sim/requests", timeout=5).json()
+    assert [r["stream"] for r in log] == [stream]
+    assert tokens == log[0]["completion_tokens"] > 0
