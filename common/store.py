@@ -504,11 +504,9 @@ class Store:
         values = [_result_values(r, now) for r in rows]
         params: dict[str, Any] = {f"r_{c}": [v[c] for v in values] for c in _RESULT_COLUMNS}
         params["now"] = now
-        if not then:
-            with self._one_statement() as conn:
-                return {(dataset, sample_id) for dataset, sample_id
-                        in conn.execute(_stored_on_postgresql(), params)}
-        with self.engine.begin() as conn:
+        # The next turns go in the same transaction; without them the one statement is its
+        # own.
+        with self.engine.begin() if then else self._one_statement() as conn:
             inserted = {(dataset, sample_id) for dataset, sample_id
                         in conn.execute(_stored_on_postgresql(), params)}
             self._insert_prompts(conn, then)
