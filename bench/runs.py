@@ -209,8 +209,7 @@ def dump_payloads(settings: Settings, out: Path) -> list[str]:
                 payloads[f"{name}/{p.sample_id}"] = {
                     "input_ids": p.input_ids,
                     "sampling": {**sampling, "max_new_tokens": p.max_new_tokens},
-                    # Streamed as the pipeline streams it: a drain dataset's requests.
-                    "stream": ds.budget.policy == "drain"}
+                    "stream": ds.budget.streams_requests}
     store.engine.dispose()
     out.write_text(json.dumps(payloads))
     return [queue_name(n) for n in names]

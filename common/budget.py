@@ -74,6 +74,13 @@ class Budget:
             raise ConfigError(f"unknown policy {self.policy!r}; use one of {', '.join(POLICIES)}")
 
     @property
+    def streams_requests(self) -> bool:
+        """Whether this budget's requests are streamed: under drain a close aborts the
+        requests still queued on a server, so each one's start must be known
+        (common/sglang_stream.py)."""
+        return self.policy == "drain"
+
+    @property
     def prompt_weight(self) -> int:
         """1 when prompt tokens count, else 0: the ledger's Lua charges
         ``prompt_weight * prompt + completion``, so it needs no notion of a basis."""

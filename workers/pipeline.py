@@ -126,17 +126,16 @@ def _generate(ctx: WorkerContext, prompt: PromptRow, server: str, rid: str,
     if admission is not Admission.ADMITTED:
         return Outcome.WAIT
     ds = ctx.dataset(prompt.dataset)
-    # Under drain a close aborts the requests still queued on the server, so the request
-    # is streamed to learn when it starts (common/sglang_stream.py); its mark
-    # (workers/started.py) goes with the rid's inflight entry, in the charge or the release.
-    drain = ds.budget.policy == "drain"
-    on_start = functools.partial(ctx.started.mark, ds.name, rid) if drain else None
+    # A streamed request's started mark (workers/started.py) goes with the rid's inflight
+    # entry, in the charge or the release.
+    streamed = ds.budget.streams_requests
+    on_start = functools.partial(ctx.started.mark, ds.name, rid) if streamed else None
     try:
         with ctx.metrics.request(prompt.dataset):
             completion = ctx.client.generate(server, rid, prompt.input_ids,
                                              sampling_params(ds, prompt), on_start)
     finally:
-        if drain:
+        if streamed:
             ctx.started.forget(rid)
     answered()  # the server is done with it: its place goes to the next request now
     if completion.finish_type == "abort":
