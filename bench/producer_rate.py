@@ -50,7 +50,7 @@ PRODUCER_RULES: tuple[tuple[str, str], ...] = (
     ("render chat template (jinja)", "render ("),
     ("tokenize (Rust)", "_tokenize ("),
     ("store prompts (SQL)", "insert_prompts ("),
-    ("publish (send_task, in the child process)", "publish ("),
+    ("publish (Celery messages, in the child process)", "publish ("),
     ("register / reconcile", "_register ("),
     ("prompt rows", "_prompt_rows ("),
     ("other Enqueuer", "Enqueuer."),

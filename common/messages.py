@@ -15,6 +15,7 @@ from typing import Any
 
 from celery import Celery
 from kombu import Producer
+from kombu.utils.uuid import uuid
 
 from common.keys import PROMPT_PRIORITY
 
@@ -27,14 +28,41 @@ STAMP = "dataset"
 # (the two steps are named in common/keys.py).
 
 
-def send_generate(app: Celery, producer: Producer, queue: str, dataset: str, sample_id: str,
-                  stamp: str, priority: int = PROMPT_PRIORITY) -> None:
-    """Send one sample's message on ``producer`` (declared by the caller: ``declare=[]``)."""
-    app.send_task(
-        GENERATE_TASK, kwargs={"dataset": dataset, "sample_id": sample_id},
-        queue=queue, producer=producer, declare=[], add_to_parent=False,
-        ignore_result=True, priority=priority, stamped_headers=[STAMP], **{STAMP: stamp},
-    )
+class GenerateSender:
+    """Sends the generate task's messages for one dataset on one producer, built and sent
+    by Celery's own ``app.amqp.create_task_message`` and ``send_task_message``, the two
+    steps ``send_task`` is made of.
+
+    ``send_task`` costs about 130 µs of Python a message; most of it is work a batch of
+    same-shaped messages needs once: routing, configuration lookups, and ``saferepr`` of
+    the arguments for the log line. Here the route is looked up once, and the arguments'
+    log line is Python's ``repr`` of the two strings (what ``saferepr`` gives too, but for
+    quotes, backslashes and a few escapes it spells otherwise): about 60 µs a message.
+    The messages are otherwise those ``send_task`` makes, field for field.
+    """
+
+    def __init__(self, app: Celery, producer: Producer, queue: str, stamp: str,
+                 priority: int = PROMPT_PRIORITY) -> None:
+        """``producer``: the caller declares ``queue`` on it (messages go with
+        ``declare=[]``)."""
+        amqp = app.amqp
+        self._producer, self._stamp = producer, stamp
+        self._create, self._send = amqp.create_task_message, amqp.send_task_message
+        self._options = amqp.router.route(
+            {"queue": queue, "priority": priority, "declare": []}, GENERATE_TASK)
+        self._reply_to = app.thread_oid
+        self._sent_event = app.conf.task_send_sent_event
+        self._repr_max = amqp.kwargsrepr_maxsize
+
+    def send(self, dataset: str, sample_id: str) -> None:
+        kwargs = {"dataset": dataset, "sample_id": sample_id}
+        message = self._create(
+            uuid(), GENERATE_TASK, (), kwargs, reply_to=self._reply_to,
+            create_sent_event=self._sent_event, ignore_result=True,
+            argsrepr="()", kwargsrepr=repr(kwargs)[: self._repr_max],
+            stamped_headers=[STAMP], **{STAMP: self._stamp},
+        )
+        self._send(self._producer, GENERATE_TASK, message, **self._options)
 
 
 def unacked_entry(raw: bytes | str | None) -> tuple[dict[str, Any], str] | None:

@@ -1,6 +1,6 @@
 """Publishing one small message per prompt: dataset and sample id, never token lists.
 
-Each prompt is one ``send_task`` of the generate task to its dataset's queue, stamped
+Each prompt is one message of the generate task to its dataset's queue, stamped
 with the dataset's stamp, which ``revoke_by_stamped_headers`` matches when the dataset
 closes. kombu's ``Producer.batch`` buffers a chunk's LPUSHes in one pipeline on one
 connection, so a chunk costs one round trip instead of one per message.
@@ -22,7 +22,7 @@ from kombu.exceptions import BatchPublishError
 
 from common.errors import ServiceUnavailable
 from common.keys import AHEAD_PRIORITY, PROMPT_PRIORITY, queue_name
-from common.messages import send_generate
+from common.messages import GenerateSender
 
 # Messages per pipeline: one chunk of the producer, a few hundred kB of commands.
 BATCH_SIZE = 1000
@@ -49,12 +49,13 @@ class Publisher:
         try:
             with self.app.producer_or_acquire() as producer, \
                     producer.batch(max_size=BATCH_SIZE):
-                # Declared once a chunk: by default send_task binds a copy of the queue
-                # to the channel for every message, a fifth of its cost.
+                # Declared once a chunk: by default each message binds a copy of the
+                # queue to the channel, a fifth of send_task's cost.
                 producer.maybe_declare(self.app.amqp.queues[queue])
-                priority = AHEAD_PRIORITY if ahead else PROMPT_PRIORITY
+                sender = GenerateSender(self.app, producer, queue, stamp,
+                                        AHEAD_PRIORITY if ahead else PROMPT_PRIORITY)
                 for sid in sample_ids:
-                    send_generate(self.app, producer, queue, dataset, sid, stamp, priority)
+                    sender.send(dataset, sid)
         except BatchPublishError as exc:
             raise ServiceUnavailable(
                 f"Redis failed while publishing {dataset}'s messages ({exc.__cause__!r}); "
