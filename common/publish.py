@@ -52,10 +52,10 @@ class Publisher:
                 # Declared once a chunk: by default each message binds a copy of the
                 # queue to the channel, a fifth of send_task's cost.
                 producer.maybe_declare(self.app.amqp.queues[queue])
-                sender = GenerateSender(self.app, producer, queue, stamp,
+                sender = GenerateSender(self.app, producer, dataset, stamp,
                                         AHEAD_PRIORITY if ahead else PROMPT_PRIORITY)
                 for sid in sample_ids:
-                    sender.send(dataset, sid)
+                    sender.send(sid)
         except BatchPublishError as exc:
             raise ServiceUnavailable(
                 f"Redis failed while publishing {dataset}'s messages ({exc.__cause__!r}); "

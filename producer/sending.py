@@ -1,6 +1,6 @@
 """The producer's publishing, in a child process beside the one that reads and stores.
 
-Celery's message costs about 60 µs of Python a message (common/messages.py), all of it
+Celery's message costs about 55 µs of Python (common/messages.py), all of it
 under the GIL, about what reading, rendering and storing a prompt cost together. In its
 own process (``spawn``: nothing of this one's threads or sockets is inherited) it runs
 on another core while this process prepares the next chunks. One process takes the

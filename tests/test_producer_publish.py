@@ -186,3 +186,21 @@ def test_publish_all_splits_into_chunks(app: Celery, redis_client: redis.Redis) 
     ids = [f"s{i}" for i in range(2500)]
     Publisher(app).publish_all(DATASET, STAMP_VALUE, ids)
     assert [sample_of(m) for m in _queue(redis_client)] == [(DATASET, s) for s in ids]
+
+
+def test_a_message_sent_from_a_task_names_it_as_parent_as_send_task_does(
+    app: Celery, redis_client: redis.Redis
+) -> None:
+    """A worker publishes a conversation's next turn from inside its task."""
+
+    @app.task(name="datagen.test-parent", shared=False)
+    def publish_both() -> str:
+        Publisher(app).publish(DATASET, STAMP_VALUE, ["next"])
+        _via_plain_send_task(app, ["next"])
+        return str(publish_both.request.id)
+
+    parent = publish_both.apply().get()
+    batched, plain = _queue(redis_client)
+    assert batched["headers"]["parent_id"] == plain["headers"]["parent_id"] == parent
+    assert batched["headers"]["root_id"] == plain["headers"]["root_id"] == parent
+    assert _without_fresh_ids(batched) == _without_fresh_ids(plain)
