@@ -20,8 +20,9 @@ import pytest
 import sqlalchemy as sa
 
 from common import ledger_scripts
-from common.keys import KOMBU_UNACKED
+from common.keys import KOMBU_UNACKED, dataset_keys
 from common.ledger import Ledger, LedgerState
+from common.replies import text
 from common.schema import prompts
 from common.store import Store
 from tests.conftest import make_settings
@@ -194,9 +195,20 @@ def test_a_blip_during_a_ledger_call_strands_no_prompt_and_leaks_no_reservation(
             proxy.armed.clear()
             settled = settle(store, ["blip"], 10)
             state = ledger.state("blip")
+            # Only for the message of a failure: which rids are held, and whether they are
+            # still held a moment later (a request then in flight) or for good (a leak).
+            held = _inflight(ledger, "blip")
+            later = _inflight(ledger, "blip", after_s=3.0) if held else {}
     assert proxy.resets > 0
     assert settled, store.prompt_counts("blip")
-    assert (state.inflight, state.reserved_tokens) == (0, 0)
+    assert (state.inflight, state.reserved_tokens) == (0, 0), (
+        f"held at settle: {held}; 3 s later: {later}; ADMIT answers dropped: {proxy.resets}")
+
+
+def _inflight(ledger: Ledger, name: str, after_s: float = 0.0) -> dict[str, str]:
+    time.sleep(after_s)
+    raw = ledger.redis.hgetall(dataset_keys(name).inflight)
+    return {text(k): text(v) for k, v in raw.items()}
 
 
 @pytest.fixture(scope="module")
