@@ -45,13 +45,9 @@ class Publisher:
         """
         if not sample_ids:
             return
-        queue = queue_name(dataset)
         try:
             with self.app.producer_or_acquire() as producer, \
                     producer.batch(max_size=BATCH_SIZE):
-                # Declared once a chunk: by default each message binds a copy of the
-                # queue to the channel, a fifth of send_task's cost.
-                producer.maybe_declare(self.app.amqp.queues[queue])
                 sender = GenerateSender(self.app, producer, dataset, stamp,
                                         AHEAD_PRIORITY if ahead else PROMPT_PRIORITY)
                 for sid in sample_ids:
